@@ -1,0 +1,116 @@
+"""What a benchmark runs: specwise methods and Hugging Face ``generate`` peers behind one callable."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from specwise.errors import ConfigError
+
+
+@dataclass
+class Outcome:
+    """One generation as the benchmark sees it (times in seconds)."""
+
+    token_ids: list[int]
+    wall_time_s: float
+    stats: Any = None  # SpecStats for specwise methods, None for peers
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A named way to generate: ``run(prompt_ids [P] long, max_new_tokens, sampling kwargs) -> Outcome``."""
+
+    name: str
+    run: Callable[..., Outcome]
+    is_peer: bool = False
+
+
+def specwise_contender(target, method: str, label: str | None = None, **options: Any) -> Contender:
+    """A specwise method with fixed options; its drafter is built once and reused."""
+    from specwise.api import build_drafter, generate
+
+    drafter = build_drafter(target, method, **options)
+
+    def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, **sampling):
+        result = generate(target, prompt_ids, drafter=drafter, max_new_tokens=max_new_tokens,
+                          temperature=temperature, seed=seed, **sampling)
+        return Outcome(result.token_ids, result.stats.wall_time_s, result.stats)
+
+    return Contender(label or method, run)
+
+
+def hf_contender(target, kind: str, label: str | None = None, **options: Any) -> Contender:
+    """A Hugging Face ``generate`` peer on the same model object.
+
+    Args:
+        kind: ``"generate"`` (plain), ``"pld"`` (prompt lookup; options ``prompt_lookup_num_tokens``,
+            ``max_matching_ngram_size``) or ``"assisted"`` (option ``assistant_model``).
+    """
+    from transformers import GenerationConfig
+
+    model = target.model
+    eos = sorted(target.eos_token_ids)
+    extra: dict[str, Any] = {}
+    if kind == "pld":
+        extra["prompt_lookup_num_tokens"] = int(options.get("prompt_lookup_num_tokens", 10))
+        extra["max_matching_ngram_size"] = int(options.get("max_matching_ngram_size", 2))
+    elif kind == "assisted":
+        extra["assistant_model"] = options["assistant_model"]
+    elif kind != "generate":
+        raise ConfigError(f"unknown Hugging Face peer {kind!r}; use generate, pld or assisted.")
+
+    @torch.inference_mode()
+    def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, top_k=0, top_p=1.0, repetition_penalty=1.0):
+        sample = temperature > 0 and top_k != 1
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
+            top_k=(top_k or None) if sample else None, top_p=top_p if sample else None,
+            repetition_penalty=repetition_penalty if repetition_penalty != 1.0 else None,
+            eos_token_id=eos, pad_token_id=target.tokenizer.pad_token_id or 0,
+        )
+        if seed is not None:
+            torch.manual_seed(seed)
+        ids = prompt_ids[None]
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config, **extra)
+        if target.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        return Outcome(out[0, prompt_ids.numel():].tolist(), wall)
+
+    return Contender(label or f"hf-{kind}", run, is_peer=True)
+
+
+def parse_contender(target, spec: str) -> Contender:
+    """Build a contender from ``name[key=value,...]``: a specwise method (``pld[num_draft_tokens=5]``)
+    or an HF peer (``hf-generate``, ``hf-pld[prompt_lookup_num_tokens=10]``).
+
+    Raises:
+        ConfigError: malformed spec. DrafterError: unknown method.
+    """
+    name, _, rest = spec.partition("[")
+    options: dict[str, Any] = {}
+    if rest:
+        if not rest.endswith("]"):
+            raise ConfigError(f"malformed method spec {spec!r}; expected name[key=value,...].")
+        for item in filter(None, rest[:-1].split(",")):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise ConfigError(f"malformed option {item!r} in {spec!r}; expected key=value.")
+            options[key.strip()] = _parse_value(value.strip())
+    if name.startswith("hf-"):
+        return hf_contender(target, name[3:], label=spec, **options)
+    return specwise_contender(target, name, label=spec, **options)
+
+
+def _parse_value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text

@@ -1,0 +1,47 @@
+"""Render a :class:`BenchResult`: a rich table for the terminal and a Markdown report."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from specwise.bench.runner import BenchResult, Summary
+
+COLUMNS = ("contender", "prompts", "tok/s (median)", "speedup vs ar", "τ", "accept by position",
+           "draft / verify / other s", "same as ar (near-tie / other diverged)")
+
+
+def _cells(s: Summary) -> list[str]:
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    positions = " ".join(f"{a:.2f}" for a in s.acceptance_by_position[:8]) or "-"
+    times = "-" if s.draft_time_s is None else f"{s.draft_time_s:.2f} / {s.verify_time_s:.2f} / {s.other_time_s:.2f}"
+    agree = "-" if s.exact_matches is None else f"{s.exact_matches}/{s.prompts} ({s.near_tie_divergences} / {s.other_divergences})"
+    return [s.contender, str(s.prompts), fmt(s.median_tokens_per_second, ".1f"),
+            "-" if s.median_speedup is None else f"{s.median_speedup:.2f}x",
+            fmt(s.mean_accepted_length, ".2f"), positions, times, agree]
+
+
+def rich_table(result: BenchResult, group: str = "overall") -> Table:
+    """One group's summaries as a rich table."""
+    c = result.config
+    table = Table(title=f"{group}: {c['target']} {c['dtype']}, T={c['temperature']}, {c['max_new_tokens']} new tokens")
+    for name in COLUMNS:
+        table.add_column(name)
+    for s in result.summaries[group]:
+        table.add_row(*_cells(s))
+    return table
+
+
+def markdown_report(result: BenchResult) -> str:
+    """All groups as Markdown tables, overall first."""
+    c = result.config
+    lines = [f"# specwise bench: {c['target']}", "",
+             f"{c['dtype']} on {c['device']}, temperature {c['temperature']}, {c['max_new_tokens']} new tokens, "
+             f"{c['prompts']} prompts, seed {c['seed']}; contenders interleaved prompt by prompt in one process "
+             f"after a warm-up. Speedup = median over prompts of tokens/s ÷ `ar` tokens/s on the same prompt. "
+             f"τ = new tokens per target forward (prefill included). A divergence from `ar` is a near-tie when "
+             f"the target's logits of the two tokens differ by ≤ {c['tie_margin']}.", ""]
+    for group in ["overall"] + sorted(k for k in result.summaries if k != "overall"):
+        lines += [f"## {group}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(_cells(s)) + " |" for s in result.summaries[group]]
+        lines.append("")
+    return "\n".join(lines)

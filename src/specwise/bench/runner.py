@@ -1,0 +1,206 @@
+"""Run contenders over prompts, interleaved prompt by prompt, and aggregate the measurements.
+
+Fairness rules (ARCHITECTURE.md §5): one process, the same prompts, one warm-up per contender,
+contender order rotated per prompt, medians reported, speedups as the median of per-prompt ratios
+to the ``ar`` run on the same prompt.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from specwise.bench.contenders import Contender
+from specwise.prompts import PromptRecord
+
+#: a divergence from ``ar`` counts as a near-tie when the target's logits of the two tokens differ by
+#: at most this much at the divergence point (bf16 logits of magnitude ~30 are spaced 0.125 apart)
+TIE_MARGIN = 0.5
+BASELINE = "ar"
+
+
+@dataclass
+class RunRecord:
+    """One contender on one prompt."""
+
+    contender: str
+    prompt_id: str
+    category: str
+    new_tokens: int
+    wall_time_s: float
+    tokens_per_second: float
+    mean_accepted_length: float | None = None
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    draft_time_s: float | None = None
+    verify_time_s: float | None = None
+    matches_baseline: bool | None = None
+    divergence_index: int | None = None
+    divergence_logit_gap: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Summary:
+    """Aggregates of one contender over a set of prompts."""
+
+    contender: str
+    prompts: int
+    median_tokens_per_second: float
+    median_speedup: float | None
+    mean_accepted_length: float | None
+    acceptance_by_position: list[float]
+    draft_time_s: float | None
+    verify_time_s: float | None
+    other_time_s: float | None
+    exact_matches: int | None
+    near_tie_divergences: int | None
+    other_divergences: int | None
+
+
+@dataclass
+class BenchResult:
+    """Everything a benchmark measured. ``summaries`` maps ``"overall"`` and each category to rows."""
+
+    config: dict
+    records: list[RunRecord]
+    summaries: dict[str, list[Summary]]
+
+    def to_dict(self) -> dict:
+        return {"schema": "specwise.bench/1", "config": self.config,
+                "records": [asdict(r) for r in self.records],
+                "summaries": {k: [asdict(s) for s in v] for k, v in self.summaries.items()}}
+
+
+def run_benchmark(
+    target,
+    prompts: Sequence[PromptRecord],
+    contenders: Sequence[Contender],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    seed: int = 0,
+    on_progress: Callable[[int, int], None] | None = None,
+    extra_config: dict | None = None,
+) -> BenchResult:
+    """Benchmark contenders on prompts, interleaved.
+
+    Args:
+        target: the :class:`specwise.target.Target` every contender runs on.
+        prompts: prompt records; each is tokenized once.
+        contenders: include one named ``"ar"`` to get speedups and output agreement.
+        max_new_tokens: new tokens per generation.
+        temperature: 0 for greedy; otherwise every contender samples with ``seed + prompt index``.
+        on_progress: called with ``(runs done, runs total)``.
+
+    Returns:
+        :class:`BenchResult` with per-run records and per-category / overall summaries.
+    """
+    encoded = [target.encode(p.prompt) for p in prompts]
+    for contender in contenders:  # warm-up
+        contender.run(encoded[0], min(16, max_new_tokens), temperature=temperature, seed=seed)
+    records: list[RunRecord] = []
+    total, done = len(prompts) * len(contenders), 0
+    for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
+        shift = index % len(contenders)
+        order = list(contenders[shift:]) + list(contenders[:shift])
+        by_name: dict[str, RunRecord] = {}
+        for contender in order:
+            outcome = contender.run(ids, max_new_tokens, temperature=temperature, seed=seed + index)
+            by_name[contender.name] = _record(contender, prompt, outcome)
+            done += 1
+            if on_progress:
+                on_progress(done, total)
+        baseline = by_name.get(BASELINE)
+        if baseline is not None and temperature == 0.0:
+            for record in by_name.values():
+                _compare(target, ids, baseline, record)
+        records.extend(by_name[c.name] for c in contenders)
+    summaries = summarize(records, [c.name for c in contenders], greedy=temperature == 0.0)
+    config = {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."),
+              "device": str(target.device), "max_new_tokens": max_new_tokens, "temperature": temperature,
+              "seed": seed, "prompts": len(prompts), "contenders": [c.name for c in contenders],
+              "tie_margin": TIE_MARGIN, **(extra_config or {})}
+    return BenchResult(config, records, summaries)
+
+
+def _record(contender: Contender, prompt: PromptRecord, outcome) -> RunRecord:
+    n = len(outcome.token_ids)
+    record = RunRecord(contender.name, prompt.id, prompt.category, n, outcome.wall_time_s,
+                       n / outcome.wall_time_s if outcome.wall_time_s > 0 else 0.0, token_ids=outcome.token_ids)
+    stats = outcome.stats
+    if stats is not None:
+        record.mean_accepted_length = stats.mean_accepted_length
+        record.drafted_by_position = list(stats.drafted_by_position)
+        record.accepted_by_position = list(stats.accepted_by_position)
+        record.draft_time_s = stats.draft_time_s
+        record.verify_time_s = stats.verify_time_s
+    return record
+
+
+@torch.inference_mode()
+def _compare(target, prompt_ids: torch.Tensor, baseline: RunRecord, record: RunRecord) -> None:
+    """Fill the agreement fields of ``record`` against the ``ar`` run on the same prompt."""
+    a, b = baseline.token_ids, record.token_ids
+    common = min(len(a), len(b))
+    index = next((i for i in range(common) if a[i] != b[i]), None)
+    if index is None:
+        # equal up to the shorter one; a length difference alone (EOS vs limit) is not a divergence
+        record.matches_baseline = True
+        return
+    record.matches_baseline = False
+    record.divergence_index = index
+    context = torch.cat([prompt_ids, torch.tensor(a[:index], dtype=torch.long, device=prompt_ids.device)])
+    logits = target.model(input_ids=context[None], logits_to_keep=1).logits[0, -1].float()
+    record.divergence_logit_gap = float((logits[a[index]] - logits[b[index]]).abs())
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(records: Sequence[RunRecord], names: Sequence[str], greedy: bool) -> dict[str, list[Summary]]:
+    """Per-category and overall summaries (medians over prompts)."""
+    groups: dict[str, list[RunRecord]] = {"overall": list(records)}
+    for r in records:
+        groups.setdefault(r.category, []).append(r)
+    out: dict[str, list[Summary]] = {}
+    for group, rows in groups.items():
+        baseline_tps = {r.prompt_id: r.tokens_per_second for r in rows if r.contender == BASELINE}
+        out[group] = [_summarize_one(name, [r for r in rows if r.contender == name], baseline_tps, greedy)
+                      for name in names]
+    return out
+
+
+def _summarize_one(name: str, rows: list[RunRecord], baseline_tps: dict[str, float], greedy: bool) -> Summary:
+    ratios = [r.tokens_per_second / baseline_tps[r.prompt_id] for r in rows if baseline_tps.get(r.prompt_id)]
+    drafted = _sum_lists([r.drafted_by_position for r in rows])
+    accepted = _sum_lists([r.accepted_by_position for r in rows])
+    taus = [r.mean_accepted_length for r in rows if r.mean_accepted_length is not None]
+    tokens = sum(r.new_tokens for r in rows if r.mean_accepted_length is not None)
+    forwards = sum(r.new_tokens / r.mean_accepted_length for r in rows if r.mean_accepted_length)
+    timed = [r for r in rows if r.draft_time_s is not None]
+    compared = [r for r in rows if r.matches_baseline is not None] if greedy else []
+    diverged = [r for r in compared if not r.matches_baseline]
+    near = [r for r in diverged if r.divergence_logit_gap is not None and r.divergence_logit_gap <= TIE_MARGIN]
+    return Summary(
+        contender=name, prompts=len(rows),
+        median_tokens_per_second=_median([r.tokens_per_second for r in rows]) or 0.0,
+        median_speedup=_median(ratios),
+        mean_accepted_length=tokens / forwards if taus and forwards else None,
+        acceptance_by_position=[a / d if d else 0.0 for a, d in zip(accepted, drafted)],
+        draft_time_s=_median([r.draft_time_s for r in timed]),
+        verify_time_s=_median([r.verify_time_s for r in timed]),
+        other_time_s=_median([r.wall_time_s - r.draft_time_s - r.verify_time_s for r in timed]),
+        exact_matches=len(compared) - len(diverged) if compared else None,
+        near_tie_divergences=len(near) if compared else None,
+        other_divergences=len(diverged) - len(near) if compared else None,
+    )
+
+
+def _sum_lists(lists: list[list[int]]) -> list[int]:
+    width = max((len(x) for x in lists), default=0)
+    return [sum(x[i] for x in lists if i < len(x)) for i in range(width)]

@@ -1,0 +1,200 @@
+"""The ``specwise`` command line (ARCHITECTURE.md §3).
+
+Bad input is reported as one sentence on stderr with exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from specwise.errors import SpecwiseError
+
+DEFAULT_TARGET = "gemma-3-270m"
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="alias (gemma-3-270m), HF model directory or .gguf file")
+    p.add_argument("--method", default="ar", help="drafting method: ar, pld, draft, ... (default ar)")
+    p.add_argument("--drafter", default=None, help="drafter weights / draft model path (for --method draft)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="draft tokens verified per step (K)")
+    p.add_argument("--max-ngram-size", type=int, default=None, help="pld: longest n-gram to match")
+    p.add_argument("--min-ngram-size", type=int, default=None, help="pld: shortest n-gram to match")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def method_options(args: argparse.Namespace) -> dict:
+    """The method options given on the command line (only those the user set)."""
+    names = {"num_draft_tokens": args.num_draft_tokens, "drafter": args.drafter,
+             "max_ngram_size": args.max_ngram_size, "min_ngram_size": args.min_ngram_size}
+    return {k: v for k, v in names.items() if v is not None}
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import specwise
+    from specwise.report import stats_table
+
+    if not args.prompt.strip():
+        raise specwise.errors.PromptError("the prompt is empty.")
+    # validate cheap options before the (slower) model load
+    specwise.SamplingConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
+    spec = specwise.METHODS.get(args.method)
+    options = method_options(args)
+    spec.make_config(**options)
+    target = specwise.load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
+    streamer = None
+    if not args.json:
+        streamer = _TextStreamer(target)
+    result = specwise.generate(
+        target, args.prompt, method=args.method, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+        streamer=streamer, **options,
+    )
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
+    else:
+        print()
+        from rich.console import Console
+
+        Console(stderr=False).print(stats_table([result.stats]))
+    return 0
+
+
+class _TextStreamer:
+    """Prints new text as tokens are committed (decodes the whole output, prints the new suffix)."""
+
+    def __init__(self, target) -> None:
+        self.target = target
+        self.tokens: list[int] = []
+        self.printed = 0
+
+    def __call__(self, token_ids: list[int]) -> None:
+        self.tokens.extend(token_ids)
+        text = self.target.decode(self.tokens)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        sys.stdout.write(text[self.printed:])
+        sys.stdout.flush()
+        self.printed = len(text)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from specwise.demo import run_demo
+
+    return run_demo(target_name=args.target, max_new_tokens=args.max_new_tokens, device=args.device,
+                    progress=_progress)
+
+
+def split_specs(text: str) -> list[str]:
+    """Split ``'ar,pld[a=1,b=2],hf-pld'`` on the commas outside brackets."""
+    specs, depth, current = [], 0, ""
+    for ch in text:
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            specs.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    specs.append(current.strip())
+    return [s for s in specs if s]
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json as _json
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    import specwise
+    from specwise.bench import parse_contender, run_benchmark
+    from specwise.bench.report import markdown_report, rich_table
+    from specwise.prompts import builtin_prompt_file, load_prompts, take_per_category
+
+    records = load_prompts(args.prompts or [builtin_prompt_file()])
+    if args.per_category:
+        records = take_per_category(records, args.per_category)
+    if not records:
+        raise specwise.errors.ConfigError("no prompts to benchmark.")
+    specs = split_specs(args.methods)
+    if args.hf_peers:
+        specs += ["hf-generate", "hf-pld"]
+    target = specwise.load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
+    contenders = [parse_contender(target, spec) for spec in specs]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console()
+    with Progress(TextColumn("bench"), BarColumn(), TextColumn("{task.completed}/{task.total} runs"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console) as bar:
+        task = bar.add_task("bench", total=len(records) * len(contenders))
+        result = run_benchmark(target, records, contenders, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, seed=args.seed,
+                               on_progress=lambda done, total: bar.update(task, completed=done))
+    (out / "results.json").write_text(_json.dumps(result.to_dict(), indent=1))
+    (out / "report.md").write_text(markdown_report(result))
+    for group in result.summaries:
+        console.print(rich_table(result, group))
+    console.print(f"wrote {out / 'results.json'} and {out / 'report.md'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specwise", description="Lossless speculative decoding for Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text with one method")
+    _add_generate_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    demo = sub.add_parser("demo", help="compare ar and pld on the default target with a few built-in prompts")
+    demo.add_argument("--target", default=DEFAULT_TARGET)
+    demo.add_argument("--max-new-tokens", type=int, default=128)
+    demo.add_argument("--device", default=None)
+    demo.set_defaults(func=cmd_demo)
+    bench = sub.add_parser("bench", help="benchmark methods and Hugging Face peers, interleaved in one process")
+    bench.add_argument("--target", default=DEFAULT_TARGET)
+    bench.add_argument("--prompts", nargs="*", default=None, help="prompt JSONL files (default: the built-in set)")
+    bench.add_argument("--methods", default="ar,pld",
+                       help="comma-separated contenders, e.g. 'ar,pld,pld[num_draft_tokens=5,max_ngram_size=2],hf-pld'")
+    bench.add_argument("--hf-peers", action="store_true", help="add Hugging Face generate and prompt lookup")
+    bench.add_argument("--per-category", type=int, default=0, help="first N prompts of each category")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--out", default="runs/bench")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecwiseError as exc:
+        print(f"specwise: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specwise: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

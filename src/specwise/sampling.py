@@ -1,0 +1,122 @@
+"""Logits processing shared by the target and every drafter.
+
+The lossless guarantee is relative to the *processed* target distribution (ALGORITHMS.md §1.4):
+at every position the pipeline is applied with that position's own prefix, in Hugging Face order —
+repetition penalty, then temperature, then top-k, then top-p. Drafters that return probabilities
+must build them with the same pipeline on their own prefix, so acceptance stays high.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specwise.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are chosen from the target's logits.
+
+    Greedy decoding is ``temperature == 0`` (or ``top_k == 1``); then the verification is exact
+    token matching and no random numbers are drawn.
+    """
+
+    temperature: float = 0.0  # 0 = greedy; > 0 divides the logits
+    top_k: int = 0  # 0 = off; keep the k most likely tokens
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    repetition_penalty: float = 1.0  # CTRL-style penalty on tokens already in the prefix; 1 = off
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}.")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"top-k must be an integer >= 0 (0 turns it off), got {self.top_k!r}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top-p must be in (0, 1], got {self.top_p}.")
+        if not self.repetition_penalty > 0.0:
+            raise ConfigError(f"repetition penalty must be > 0, got {self.repetition_penalty}.")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the processed distribution is a point mass at the argmax."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def uses_history(self) -> bool:
+        """True when processing depends on the prefix (so each position needs its own prefix)."""
+        return self.repetition_penalty != 1.0
+
+
+def prefix_token_masks(
+    context_ids: torch.Tensor, chain_tokens: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """Which tokens each position of a chain has already seen.
+
+    Args:
+        context_ids: ``[T]`` long, the committed tokens (the root included).
+        chain_tokens: ``[K]`` long, draft tokens following the context.
+        vocab_size: V.
+
+    Returns:
+        ``[K+1, V]`` bool. Row ``j`` marks the tokens of ``context_ids ++ chain_tokens[:j]``, the
+        prefix of the position that predicts the token after chain position ``j``.
+    """
+    num_rows = chain_tokens.numel() + 1
+    seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=context_ids.device)
+    seen[:, context_ids] = True
+    if chain_tokens.numel():
+        # shape: [K, V]: one-hot of each draft token, then prefix-OR down the rows
+        hits = torch.zeros(num_rows - 1, vocab_size, dtype=torch.int32, device=context_ids.device)
+        hits[torch.arange(num_rows - 1, device=hits.device), chain_tokens] = 1
+        seen[1:] |= hits.cumsum(0).bool()
+    return seen
+
+
+def process_logits(
+    logits: torch.Tensor, config: SamplingConfig, seen: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Apply repetition penalty, temperature, top-k and top-p to raw logits.
+
+    Args:
+        logits: ``[N, V]`` raw logits (any float dtype; half precision is upcast to float32).
+        config: the sampling options.
+        seen: ``[N, V]`` bool, tokens in each row's prefix; required when
+            ``config.repetition_penalty != 1``.
+
+    Returns:
+        ``[N, V]`` processed scores in float32 (or float64 if the input was float64); masked tokens
+        are ``-inf``. For greedy configs only the penalty is applied (temperature and truncation do
+        not move the argmax).
+
+    Raises:
+        ValueError: the penalty is on and ``seen`` is missing.
+    """
+    scores = logits if logits.dtype == torch.float64 else logits.float()
+    if config.repetition_penalty != 1.0:
+        if seen is None:
+            raise ValueError("process_logits needs `seen` when a repetition penalty is set")
+        penalised = torch.where(
+            scores > 0, scores / config.repetition_penalty, scores * config.repetition_penalty
+        )
+        scores = torch.where(seen, penalised, scores)
+    if config.is_greedy:
+        return scores
+    scores = scores / config.temperature
+    if 0 < config.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, config.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if config.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
+        cumulative = sorted_scores.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative <= (1.0 - config.top_p)
+        drop_sorted[..., -1] = False  # always keep the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+def probs_from_scores(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last axis. ``[N, V]`` scores -> ``[N, V]`` probabilities (same dtype)."""
+    return torch.softmax(scores, dim=-1)

@@ -1,0 +1,184 @@
+"""The target: a thin adapter over an unmodified Hugging Face causal LM.
+
+It owns nothing but the model and tokenizer; KV caches are created per generation
+(:meth:`Target.new_cache`) and passed to :meth:`Target.forward` explicitly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specwise.cache import KVCache
+from specwise.errors import ConfigError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
+          "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """One target forward.
+
+    Attributes:
+        logits: ``[N, V]`` raw logits of the last N input positions (model dtype).
+        hidden_states: the hidden states asked for, ``layer index -> [n, H]`` (HF indexing:
+            0 = embeddings, i = output of decoder layer i-1); empty when none were asked for.
+    """
+
+    logits: torch.Tensor
+    hidden_states: dict[int, torch.Tensor]
+
+
+class Target:
+    """A causal LM that verifies drafts.
+
+    Attributes:
+        model: the unmodified ``PreTrainedModel`` (eval mode, no grad).
+        tokenizer: its tokenizer.
+        name: the name it was loaded by (an alias, or a path).
+        vocab_size: rows of the LM head's output (logits width), V.
+        eos_token_ids: token ids that end generation.
+        max_context: the model's maximum number of positions.
+    """
+
+    def __init__(self, model, tokenizer, name: str) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        text_config = model.config.get_text_config()
+        self.max_context = int(getattr(text_config, "max_position_embeddings", 0) or 1 << 30)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def fingerprint(self) -> str:
+        """A short hash of the model config and the vocabulary, to match drafters to targets."""
+        text_config = self.model.config.get_text_config().to_dict()
+        keep = {k: text_config.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers",
+                                                 "vocab_size", "intermediate_size")}
+        vocab = sorted(self.tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+        digest = hashlib.sha256(json.dumps([keep, vocab]).encode())
+        return digest.hexdigest()[:16]
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for one generation."""
+        return KVCache()
+
+    def encode(self, text: str) -> torch.Tensor:
+        """Tokenize a prompt (with the model's special prefix, e.g. BOS). Returns ``[T]`` long."""
+        ids = self.tokenizer(text, return_tensors="pt").input_ids[0]
+        return ids.to(self.device)
+
+    def decode(self, token_ids) -> str:
+        """Decode token ids to text, special tokens skipped."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        *,
+        num_logits: int,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> TargetOutput:
+        """Run the target on new tokens after the cached prefix.
+
+        Args:
+            input_ids: ``[n]`` long, tokens at positions ``cache.length .. cache.length + n - 1``.
+            cache: the generation's KV cache; it grows by n.
+            num_logits: compute logits for only the last this-many positions (the LM head
+                dominates small models' cost, so the prefill asks for 1).
+            hidden_layers: hidden-state indices to return (HF ``hidden_states`` indexing).
+
+        Returns:
+            :class:`TargetOutput` with ``logits [num_logits, V]``.
+        """
+        want_hidden = bool(hidden_layers)
+        out = self.model(
+            input_ids=input_ids[None],
+            cache=cache.hf_cache,
+            use_cache=True,
+            logits_to_keep=num_logits,
+            output_hidden_states=want_hidden,
+        )
+        hidden = {i: out.hidden_states[i][0] for i in hidden_layers} if want_hidden else {}
+        return TargetOutput(logits=out.logits[0], hidden_states=hidden)
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if value is None:
+            continue
+        ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return frozenset(int(i) for i in ids)
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16``.
+
+    Raises:
+        ConfigError: an unknown dtype name.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}.")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` -> CUDA when available, else CPU.
+
+    Raises:
+        ConfigError: CUDA was asked for but is not available.
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but no CUDA device is available.")
+    return device
+
+
+def load_target(
+    name_or_path: str | Path = "gemma-3-270m",
+    *,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | torch.device | None = None,
+    progress=None,
+) -> Target:
+    """Load a target model: the alias ``gemma-3-270m``, a local HF model directory, or a ``.gguf`` file.
+
+    Args:
+        name_or_path: alias or path.
+        dtype: ``"bfloat16"`` (default), ``"float32"``, ``"float16"`` or ``"float64"``.
+        device: ``"cpu"``, ``"cuda"``, or ``None`` for CUDA when available.
+        progress: optional ``callable(str)`` told about slow steps (the first GGUF conversion).
+
+    Raises:
+        TargetLoadError: the name is unknown or the files cannot be loaded.
+        ConfigError: bad dtype or device.
+    """
+    from specwise.loading import load_model_and_tokenizer
+
+    torch_dtype = resolve_dtype(dtype)
+    torch_device = resolve_device(device)
+    model, tokenizer, name = load_model_and_tokenizer(
+        str(name_or_path), dtype=torch_dtype, device=torch_device, progress=progress
+    )
+    return Target(model, tokenizer, name)

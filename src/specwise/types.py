@@ -1,0 +1,175 @@
+"""Data passed between the loop, the drafters and the caller."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from specwise.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for one speculation step (a chain).
+
+    Attributes:
+        tokens: ``[K]`` long, draft tokens following the root; K may be 0 (a plain decoding step).
+        draft_probs: ``[K, V]`` the processed draft distributions the tokens were sampled from, or
+            ``None`` for deterministic ("delta") proposals such as n-gram lookup or greedy drafts.
+    """
+
+    tokens: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+    @staticmethod
+    def empty(device: torch.device | str = "cpu") -> "Proposal":
+        """A proposal of no tokens: the step degenerates to plain autoregressive decoding."""
+        return Proposal(torch.empty(0, dtype=torch.long, device=device))
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a drafter sees when asked to propose.
+
+    Attributes:
+        token_ids: ``[T+1]`` long, prompt plus committed tokens; the last one is the root, chosen
+            by the target but not yet fed to it.
+        max_draft_tokens: at most this many draft tokens are verified this step (it shrinks near
+            ``max_new_tokens`` so the bonus token still fits).
+        sampling: the sampling options; drafters that return probabilities must process their
+            logits with them (``specwise.sampling.process_logits``).
+        generator: the RNG drafters must use for any random choice.
+        cache_length: tokens the target's KV cache holds (always ``T``).
+        hidden_states: at prefill only, the target's hidden states ``[T, H]`` for each layer in
+            the drafter's ``target_hidden_layers``; empty otherwise.
+    """
+
+    token_ids: torch.Tensor
+    max_draft_tokens: int
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+    cache_length: int
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepFeedback:
+    """What the loop tells a drafter after a verification step.
+
+    Attributes:
+        token_ids: ``[T'+1]`` long, all committed tokens, the new root last.
+        num_drafted: draft tokens verified this step.
+        num_accepted: of those, how many were accepted (the bonus token excluded).
+        cache_length: tokens in the target's KV cache after the commit (``T'``).
+        hidden_states: for each layer in the drafter's ``target_hidden_layers``, the target's
+            hidden states ``[num_accepted + 1, H]`` at the positions kept this step (the old root
+            and the accepted drafts); after the prefill, ``[prompt_length, H]``.
+    """
+
+    token_ids: torch.Tensor
+    num_drafted: int
+    num_accepted: int
+    cache_length: int
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class SpecStats:
+    """Statistics of one generation, returned as data.
+
+    Units: times in seconds (wall clock); ``mean_accepted_length`` (τ) is new tokens per target
+    forward, the prefill forward included, so it counts the bonus / correction token and plain
+    decoding has τ = 1.
+    """
+
+    method: str
+    new_tokens: int = 0
+    target_forwards: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)  # per verification step, drafts only
+    wall_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    prefill_time_s: float = 0.0
+
+    def record_step(self, num_drafted: int, num_accepted: int) -> None:
+        """Add one verification step's counts."""
+        self.target_forwards += 1
+        self.drafted_tokens += num_drafted
+        self.accepted_tokens += num_accepted
+        self.accepted_lengths.append(num_accepted)
+        grow = num_drafted - len(self.drafted_by_position)
+        if grow > 0:
+            self.drafted_by_position.extend([0] * grow)
+            self.accepted_by_position.extend([0] * grow)
+        for i in range(num_drafted):
+            self.drafted_by_position[i] += 1
+        for i in range(num_accepted):
+            self.accepted_by_position[i] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """τ: new tokens per target forward (bonus token included)."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens (0 when nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """For draft position i (0-based), the fraction of proposals at i that were accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens per second of wall time, prefill included."""
+        return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    @property
+    def other_time_s(self) -> float:
+        """Wall time spent neither drafting nor in target forwards (acceptance, bookkeeping)."""
+        return max(0.0, self.wall_time_s - self.draft_time_s - self.verify_time_s)
+
+    def to_dict(self) -> dict:
+        """The JSON-ready summary (ARCHITECTURE.md §3) plus the raw counters."""
+        raw = asdict(self)
+        summary = {
+            "method": self.method,
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "wall_time_s": round(self.wall_time_s, 4),
+            "draft_time_s": round(self.draft_time_s, 4),
+            "verify_time_s": round(self.verify_time_s, 4),
+            "other_time_s": round(self.other_time_s, 4),
+        }
+        for key in ("drafted_tokens", "accepted_tokens", "accepted_lengths", "prefill_time_s"):
+            summary[key] = raw[key]
+        return summary
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The output of :func:`specwise.generate`.
+
+    Attributes:
+        text: the decoded new tokens (special tokens skipped).
+        token_ids: the new token ids, EOS included when generation stopped on it.
+        stats: the run's :class:`SpecStats`.
+        stop_reason: ``"length"``, ``"eos"`` or ``"stop_string"``.
+    """
+
+    text: str
+    token_ids: list[int]
+    stats: SpecStats
+    stop_reason: str
+

@@ -1,0 +1,400 @@
+"""Shared test fixtures: tiny random models (float64, eager attention), reference decoders, test drafters.
+
+Everything here is slow-but-obviously-right: the reference decoders run a full forward per token
+with no cache, and the reference logits processing loops over the vocabulary. Tests compare the
+library against these.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as scipy_stats
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from specwise.drafters.base import Drafter
+from specwise.target import Target
+from specwise.types import DraftContext, Proposal, StepFeedback
+
+# Tiny models on a 2-core CPU: intra-op threading costs far more than it saves (one float64->float32
+# softmax in eager attention takes ~8 ms with 2 threads and ~5 us with 1), so use one thread.
+torch.set_num_threads(1)
+
+VOCAB = 128
+EOS_ID = 1
+BOS_ID = 2
+ARCHS = ("llama", "gemma3")
+CHI2_MIN_P = 1e-3  # p-value below which a statistical test fails
+
+
+# --------------------------------------------------------------------------------------------
+# tiny models and targets
+
+
+def make_tokenizer(vocab_size: int = VOCAB) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over tokens ``t0 .. t{V-1}``, built offline (t0 = unk, t1 = EOS, t2 = BOS).
+
+    The special tokens match whole words only, so that "t101" encodes to 101, not to "t1" + unk.
+    """
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    special = lambda text: AddedToken(text, single_word=True, special=True)  # noqa: E731
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=special("t0"), eos_token=special("t1"),
+                                   bos_token=special("t2"))
+
+
+def make_model(arch: str = "llama", seed: int = 0, vocab_size: int = VOCAB, dtype=torch.float64,
+               sliding_window: int = 8):
+    """A random 2-layer causal LM; ``gemma3`` has one sliding-window layer (window ``sliding_window``)."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  eos_token_id=EOS_ID, bos_token_id=BOS_ID, pad_token_id=0)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "gemma3":
+        # Untied: Gemma ties the LM head to the (sqrt(H)-scaled) input embeddings by default, and
+        # sharpening a tied head makes the tiny model just repeat its last input token forever,
+        # which would make every Gemma test (the sliding window included) trivially pass.
+        config = Gemma3TextConfig(**common, head_dim=16, sliding_window=sliding_window,
+                                  layer_types=["sliding_attention", "full_attention"],
+                                  tie_word_embeddings=False)
+        model = Gemma3ForCausalLM(config)
+    else:
+        raise ValueError(arch)
+    model.config._attn_implementation = "eager"
+    # random init gives near-uniform logits; sharpen them so greedy choices are well separated
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+@functools.lru_cache(maxsize=None)
+def cached_model(arch: str = "llama", seed: int = 0, vocab_size: int = VOCAB):
+    """``make_model`` memoised; never mutate what it returns."""
+    return make_model(arch, seed, vocab_size=vocab_size)
+
+
+def make_target(arch: str = "llama", seed: int = 0, *, eos: Sequence[int] | None = None, **kwargs) -> Target:
+    """A Target over a fresh tiny model. ``eos`` overrides ``eos_token_ids`` (``()`` disables EOS)."""
+    model = make_model(arch, seed, **kwargs)
+    target = Target(model, make_tokenizer(model.get_output_embeddings().weight.shape[0]), f"tiny-{arch}-{seed}")
+    if eos is not None:
+        target.eos_token_ids = frozenset(eos)
+    return target
+
+
+@pytest.fixture(params=ARCHS)
+def tiny_target(request) -> Target:
+    return make_target(request.param)
+
+
+def random_prompt(length: int, seed: int = 0, vocab_size: int = VOCAB) -> torch.Tensor:
+    """``[length]`` random token ids, avoiding the special ids 0-2."""
+    return torch.randint(3, vocab_size, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def repetitive_prompt(length: int = 40, period: int = 5, seed: int = 0, vocab_size: int = VOCAB) -> torch.Tensor:
+    """A random phrase of ``period`` tokens repeated to ``length`` tokens (prompt lookup finds matches)."""
+    return random_prompt(period, seed, vocab_size).repeat(length // period + 1)[:length]
+
+
+# --------------------------------------------------------------------------------------------
+# reference decoding and logits processing (slow, obviously right)
+
+
+def reference_greedy(model, prompt_ids: torch.Tensor, max_new_tokens: int,
+                     repetition_penalty: float = 1.0) -> list[int]:
+    """Greedy decoding with a full forward per token and no cache (the slow, obviously-right oracle)."""
+    ids = prompt_ids.clone()
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=ids[None]).logits[0, -1]
+            if repetition_penalty != 1.0:
+                logits = reference_scores(logits, ids.tolist(), repetition_penalty=repetition_penalty)
+            token = int(logits.argmax())
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([token])])
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def greedy_continuation(arch: str, seed: int, prompt: tuple[int, ...], max_new_tokens: int,
+                        vocab_size: int = VOCAB, repetition_penalty: float = 1.0) -> tuple[int, ...]:
+    """``reference_greedy`` of ``cached_model(arch, seed, vocab_size)``, memoised per prompt."""
+    model = cached_model(arch, seed, vocab_size)
+    return tuple(reference_greedy(model, torch.tensor(prompt), max_new_tokens, repetition_penalty))
+
+
+def reference_scores(logits: torch.Tensor, prefix: Sequence[int], *, temperature: float = 0.0, top_k: int = 0,
+                     top_p: float = 1.0, repetition_penalty: float = 1.0) -> torch.Tensor:
+    """One position's processed scores, by the definitions (HF order: penalty, temperature, top-k, top-p).
+
+    Args:
+        logits: ``[V]`` raw logits. prefix: the token ids before this position.
+
+    Returns:
+        ``[V]`` float64 scores, ``-inf`` where truncated. Greedy (temperature 0 or top-k 1) applies
+        only the penalty.
+    """
+    scores = [float(x) for x in logits.double()]
+    vocab = len(scores)
+    for token in set(int(t) for t in prefix):
+        scores[token] = scores[token] / repetition_penalty if scores[token] > 0 else scores[token] * repetition_penalty
+    if temperature == 0.0 or top_k == 1:
+        return torch.tensor(scores, dtype=torch.float64)
+    scores = [s / temperature for s in scores]
+    if top_k > 0:
+        kth_largest = sorted(scores, reverse=True)[min(top_k, vocab) - 1]
+        scores = [s if s >= kth_largest else -np.inf for s in scores]
+    if top_p < 1.0:
+        probs = _softmax_list(scores)
+        # keep a token iff the mass of the tokens strictly more likely than it is below top_p
+        # (equivalently HF: drop where the ascending cumulative mass is <= 1 - top_p)
+        scores = [s if sum(q for q in probs if q > p) < top_p else -np.inf for s, p in zip(scores, probs)]
+    return torch.tensor(scores, dtype=torch.float64)
+
+
+def reference_probs(logits: torch.Tensor, prefix: Sequence[int], **sampling) -> torch.Tensor:
+    """``[V]`` processed probabilities (softmax of :func:`reference_scores`)."""
+    return torch.tensor(_softmax_list(reference_scores(logits, prefix, **sampling).tolist()), dtype=torch.float64)
+
+
+def _softmax_list(scores: list[float]) -> list[float]:
+    top = max(scores)
+    exps = [0.0 if s == -np.inf else float(np.exp(s - top)) for s in scores]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+# --------------------------------------------------------------------------------------------
+# statistics
+
+
+def assert_distribution(counts, probs, what: str = "samples") -> None:
+    """Chi-square goodness of fit of observed ``counts`` to ``probs`` (same shape, any layout).
+
+    Cells of probability 0 must be empty. Cells with an expected count below 5 are pooled into one
+    cell, so the chi-square approximation holds. Fails when the p-value is below ``CHI2_MIN_P``.
+    """
+    counts = np.asarray(counts, dtype=np.float64).ravel()
+    probs = np.asarray(probs, dtype=np.float64).ravel()
+    assert counts.shape == probs.shape
+    assert abs(probs.sum() - 1.0) < 1e-9, probs.sum()
+    impossible = probs <= 0.0
+    assert counts[impossible].sum() == 0, f"{what}: {int(counts[impossible].sum())} draws of zero-probability outcomes"
+    n = counts.sum()
+    expected = probs * n
+    small = (expected < 5.0) & ~impossible
+    big = expected >= 5.0
+    obs_cells = list(counts[big]) + ([counts[small].sum()] if small.any() else [])
+    exp_cells = list(expected[big]) + ([expected[small].sum()] if small.any() else [])
+    if len(exp_cells) < 2:
+        return
+    obs_cells, exp_cells = np.array(obs_cells), np.array(exp_cells)
+    exp_cells *= obs_cells.sum() / exp_cells.sum()  # exact equality of totals for scipy
+    p_value = scipy_stats.chisquare(obs_cells, exp_cells).pvalue
+    assert p_value > CHI2_MIN_P, (
+        f"{what} are not distributed as expected: chi-square p = {p_value:.2e} over {len(exp_cells)} cells, "
+        f"n = {int(n)}\nobserved {counts.tolist()}\nexpected {expected.round(1).tolist()}"
+    )
+
+
+def assert_rate(successes: int, trials: int, rate: float, what: str, sigmas: float = 4.5) -> None:
+    """The binomial proportion ``successes / trials`` is within ``sigmas`` standard errors of ``rate``."""
+    se = max(np.sqrt(rate * (1 - rate) / trials), 1.0 / trials)
+    observed = successes / trials
+    assert abs(observed - rate) <= sigmas * se, f"{what}: observed {observed:.4f}, expected {rate:.4f} (se {se:.4f})"
+
+
+# --------------------------------------------------------------------------------------------
+# test drafters, and a recorder of what the loop tells them
+
+
+@dataclass(frozen=True)
+class ProposeLog:
+    """One ``propose`` call: the context the loop passed and the tokens the drafter returned."""
+
+    token_ids: list[int]
+    cache_length: int
+    max_draft_tokens: int
+    proposed: list[int]
+
+
+@dataclass(frozen=True)
+class StepLog:
+    """One ``observe`` call (a verification step)."""
+
+    token_ids: list[int]
+    num_drafted: int
+    num_accepted: int
+    cache_length: int
+
+
+class Recorder:
+    """Mixin for a :class:`Drafter` that logs every prefill / propose / observe call of the loop.
+
+    Use it through :func:`recording`, e.g. ``recording(PromptLookupDrafter)(target, config)``.
+    """
+
+    prefill_log: tuple[list[int], int] | None  # (token ids, cache length)
+    proposals: list[ProposeLog]
+    steps: list[StepLog]
+
+    def reset(self) -> None:
+        super().reset()
+        self.prefill_log = None
+        self.proposals = []
+        self.steps = []
+
+    def prefill(self, ctx: DraftContext) -> None:
+        self.prefill_log = (ctx.token_ids.tolist(), ctx.cache_length)
+        super().prefill(ctx)
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        proposal = super().propose(ctx)
+        self.proposals.append(ProposeLog(ctx.token_ids.tolist(), ctx.cache_length, ctx.max_draft_tokens,
+                                         proposal.tokens.tolist()))
+        return proposal
+
+    def observe(self, feedback: StepFeedback) -> None:
+        self.steps.append(StepLog(feedback.token_ids.tolist(), feedback.num_drafted, feedback.num_accepted,
+                                  feedback.cache_length))
+        super().observe(feedback)
+
+
+@functools.lru_cache(maxsize=None)
+def recording(drafter_cls: type) -> type:
+    """``drafter_cls`` with :class:`Recorder` mixed in (same constructor)."""
+    return type(f"Recording{drafter_cls.__name__}", (Recorder, drafter_cls), {})
+
+
+class OracleDrafter(Drafter):
+    """Proposes the target's true greedy continuation, wrong exactly at chosen continuation indices.
+
+    Args:
+        continuation: the target's greedy new tokens (index 0 = the first new token).
+        prompt_length: P, so the next token to draft has continuation index ``len(ctx) - P``.
+        num_draft_tokens: K.
+        mismatch_at: continuation indices where the draft is wrong (``(token + 1) % V``).
+        respect_budget: if False, ignore ``ctx.max_draft_tokens`` (the loop must cut the proposal).
+    """
+
+    method = "oracle"
+
+    def __init__(self, continuation: Sequence[int], prompt_length: int, num_draft_tokens: int,
+                 mismatch_at: Sequence[int] = (), vocab_size: int = VOCAB, respect_budget: bool = True) -> None:
+        self.continuation = list(continuation)
+        self.prompt_length = prompt_length
+        self.num_draft_tokens = num_draft_tokens
+        self.mismatch_at = frozenset(mismatch_at)
+        self.vocab_size = vocab_size
+        self.respect_budget = respect_budget
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        start = ctx.token_ids.numel() - self.prompt_length
+        count = self.num_draft_tokens
+        if self.respect_budget:
+            count = min(count, ctx.max_draft_tokens)
+        stop = min(start + count, len(self.continuation))
+        tokens = [(self.continuation[i] + 1) % self.vocab_size if i in self.mismatch_at else self.continuation[i]
+                  for i in range(start, stop)]
+        return Proposal(torch.tensor(tokens, dtype=torch.long, device=ctx.token_ids.device))
+
+    def expected_accepted(self, start: int, num_drafted: int) -> int:
+        """Drafts the target must accept for a proposal of ``num_drafted`` tokens at continuation index ``start``."""
+        for i in range(start, start + num_drafted):
+            if i in self.mismatch_at:
+                return i - start
+        return num_drafted
+
+
+class RandomDrafter(Drafter):
+    """Uniformly random drafts from its own seeded generator.
+
+    With ``avoid`` (the target's continuation) and ``prompt_length``, the first draft of every step
+    differs from the target's token, so no draft is ever accepted under greedy decoding. With
+    ``with_probs``, it returns its (uniform) distribution, so sampling uses the ratio test.
+    """
+
+    method = "random"
+
+    def __init__(self, vocab_size: int, num_draft_tokens: int, seed: int = 0, avoid: Sequence[int] | None = None,
+                 prompt_length: int = 0, with_probs: bool = False) -> None:
+        self.vocab_size = vocab_size
+        self.num_draft_tokens = num_draft_tokens
+        self.generator = torch.Generator().manual_seed(seed)
+        self.avoid = None if avoid is None else list(avoid)
+        self.prompt_length = prompt_length
+        self.with_probs = with_probs
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        count = min(self.num_draft_tokens, ctx.max_draft_tokens)
+        tokens = torch.randint(0, self.vocab_size, (count,), generator=self.generator)
+        if self.avoid is not None and count:
+            wrong = self.avoid[ctx.token_ids.numel() - self.prompt_length]
+            if int(tokens[0]) == wrong:
+                tokens[0] = (wrong + 1) % self.vocab_size
+        probs = None
+        if self.with_probs:
+            probs = torch.full((count, self.vocab_size), 1.0 / self.vocab_size, dtype=torch.float64)
+        return Proposal(tokens.to(ctx.token_ids.device), probs)
+
+
+def check_loop_records(drafter: Recorder, prompt: Sequence[int], new_tokens: Sequence[int],
+                       max_new_tokens: int) -> None:
+    """Check what the loop told a recording drafter against the final output.
+
+    Invariants: at prefill and at every propose / observe, the context is the prompt plus a prefix
+    of the output and the target's KV cache holds every committed token but the root
+    (``cache_length == len(token_ids) - 1``); each step commits ``num_accepted + 1`` tokens; the
+    proposal budget leaves room for the bonus token and drafts beyond it are not verified.
+    """
+    prompt, new_tokens = list(prompt), list(new_tokens)
+    p = len(prompt)
+    prefill_ids, prefill_cache = drafter.prefill_log
+    assert prefill_ids == prompt + new_tokens[:1]
+    assert prefill_cache == p
+    assert len(drafter.proposals) == len(drafter.steps)
+    committed = 1
+    for i, (proposal, step) in enumerate(zip(drafter.proposals, drafter.steps)):
+        where = f"step {i}"
+        assert proposal.token_ids[:p + committed] == prompt + new_tokens[:committed], where
+        assert len(proposal.token_ids) == p + committed, where
+        assert proposal.cache_length == p + committed - 1, where
+        assert proposal.max_draft_tokens == max_new_tokens - committed - 1, where
+        assert step.num_drafted == min(len(proposal.proposed), proposal.max_draft_tokens), where
+        assert 0 <= step.num_accepted <= step.num_drafted, where
+        assert step.token_ids[:p + committed] == proposal.token_ids, where
+        committed += step.num_accepted + 1
+        assert len(step.token_ids) == p + committed, where
+        assert step.cache_length == len(step.token_ids) - 1, f"{where}: KV cache length"
+        assert step.cache_length == p + committed - 1, f"{where}: KV cache length"
+        if i < len(drafter.steps) - 1:  # the last step's tokens may be cut by EOS / a stop string
+            assert step.token_ids == prompt + new_tokens[:committed], where
+    assert committed >= len(new_tokens)
+    if committed > len(new_tokens):
+        assert committed - len(new_tokens) <= drafter.steps[-1].num_accepted, "only the last step may be cut"
+
+
+def check_stats(stats, drafter: Recorder, new_tokens: Sequence[int]) -> None:
+    """``SpecStats`` agree with the steps the drafter observed."""
+    assert stats.new_tokens == len(new_tokens)
+    assert stats.target_forwards == 1 + len(drafter.steps)
+    assert stats.drafted_tokens == sum(s.num_drafted for s in drafter.steps)
+    assert stats.accepted_tokens == sum(s.num_accepted for s in drafter.steps)
+    assert stats.accepted_lengths == [s.num_accepted for s in drafter.steps]

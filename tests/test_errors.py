@@ -1,0 +1,144 @@
+"""Bad input at the API fails early with a specific :class:`SpecwiseError` and a helpful message."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import specwise
+from conftest import make_model, make_target, random_prompt
+from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter
+from specwise.errors import ConfigError, DrafterError, PromptError, SpecwiseError, TargetLoadError
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("llama")
+
+
+PROMPT = [5, 6, 7, 8]
+
+
+def _raises(error: type[SpecwiseError], match: str | None = None):
+    assert issubclass(error, SpecwiseError)
+    return pytest.raises(error, match=match)
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", [], (), torch.empty(0, dtype=torch.long)],
+                         ids=["empty-str", "blank-str", "empty-list", "empty-tuple", "empty-tensor"])
+def test_empty_prompt(target, prompt):
+    with _raises(PromptError, "empty"):
+        specwise.generate(target, prompt, max_new_tokens=4)
+
+
+def test_prompt_plus_new_tokens_beyond_the_context(target):
+    assert target.max_context == 512
+    prompt = random_prompt(500)
+    with _raises(PromptError, "500.*13.*512"):
+        specwise.generate(target, prompt, max_new_tokens=13)
+    with _raises(PromptError, "512"):
+        specwise.generate(target, random_prompt(513), max_new_tokens=1)
+    # exactly full is fine
+    assert len(specwise.generate(target, prompt, max_new_tokens=12, method="pld").token_ids) <= 12
+
+
+@pytest.mark.parametrize("bad_ids", [[5, 128, 7], [5, -1, 7]], ids=["too-large", "negative"])
+def test_token_ids_outside_the_vocabulary(target, bad_ids):
+    """An out-of-range id is bad input, so a SpecwiseError naming the vocabulary, not an IndexError
+    from deep inside the embedding."""
+    with _raises(PromptError, "128"):
+        specwise.generate(target, bad_ids, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("max_new_tokens", [0, -3, 2.5])
+def test_bad_max_new_tokens(target, max_new_tokens):
+    with _raises(ConfigError, "max_new_tokens"):
+        specwise.generate(target, PROMPT, max_new_tokens=max_new_tokens)
+
+
+def test_unknown_method_lists_the_available_ones(target):
+    with _raises(DrafterError, "nonsense") as info:
+        specwise.generate(target, PROMPT, method="nonsense", max_new_tokens=4)
+    for name in ("ar", "pld", "draft"):
+        assert re.search(rf"\b{name}\b", str(info.value)), str(info.value)
+
+
+@pytest.mark.parametrize("method", ["pld", "draft"])
+@pytest.mark.parametrize("num_draft_tokens", [0, -2])
+def test_bad_num_draft_tokens(target, method, num_draft_tokens):
+    with _raises(ConfigError, "num_draft_tokens"):
+        specwise.generate(target, PROMPT, method=method, num_draft_tokens=num_draft_tokens, max_new_tokens=4)
+    with _raises(ConfigError, "num_draft_tokens"):
+        DraftModelConfig(num_draft_tokens=num_draft_tokens)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top-p"),
+    (dict(top_p=1.5), "top-p"),
+    (dict(top_p=-0.1), "top-p"),
+    (dict(top_k=-1), "top-k"),
+    (dict(top_k=2.5, temperature=1.0), "top-k"),  # not an integer: not a TypeError from torch.topk
+    (dict(repetition_penalty=0.0), "penalty"),
+])
+def test_bad_sampling_options(target, options, match):
+    with _raises(ConfigError, match):
+        specwise.generate(target, PROMPT, max_new_tokens=4, **options)
+
+
+def test_draft_model_with_another_vocabulary_names_both_sizes(target):
+    with _raises(DrafterError) as info:
+        DraftModelDrafter(target, DraftModelConfig(num_draft_tokens=2), draft_model=make_model("llama", 1, vocab_size=96))
+    assert "96" in str(info.value) and "128" in str(info.value)
+
+
+def test_draft_method_without_a_draft_model(target):
+    with _raises(DrafterError, "draft model"):
+        specwise.generate(target, PROMPT, method="draft", max_new_tokens=4)
+
+
+def test_draft_model_path_that_does_not_exist(target):
+    with pytest.raises(SpecwiseError, match="nonexistent"):
+        specwise.generate(target, PROMPT, method="draft", drafter="/nonexistent/draft", max_new_tokens=4)
+
+
+@pytest.mark.parametrize("method, option", [("pld", "temperature_of_the_moon"), ("draft", "max_ngram_size"),
+                                            ("ar", "num_draft_tokens")])
+def test_unknown_option_for_a_method(target, method, option):
+    with _raises(ConfigError, option) as info:
+        specwise.generate(target, PROMPT, method=method, max_new_tokens=4, **{option: 3})
+    if method == "pld":  # the message lists what the method does take
+        assert "num_draft_tokens" in str(info.value)
+
+
+@pytest.mark.parametrize("options, match", [(dict(min_ngram_size=3, max_ngram_size=2), "ngram"),
+                                            (dict(min_ngram_size=0), "ngram"),
+                                            (dict(match="middle"), "match")])
+def test_bad_prompt_lookup_options(target, options, match):
+    with _raises(ConfigError, match):
+        specwise.generate(target, PROMPT, method="pld", max_new_tokens=4, **options)
+
+
+def test_options_with_an_already_built_drafter(target):
+    drafter = specwise.build_drafter(target, "pld")
+    with _raises(ConfigError):
+        specwise.generate(target, PROMPT, drafter=drafter, num_draft_tokens=3, max_new_tokens=4)
+
+
+def test_missing_target_path():
+    with _raises(TargetLoadError, "/nonexistent/x"):
+        specwise.load_target("/nonexistent/x")
+
+
+@pytest.mark.parametrize("options, match", [(dict(dtype="float8"), "dtype"), (dict(dtype="int8"), "dtype")])
+def test_bad_load_options(options, match):
+    with _raises(ConfigError, match):
+        specwise.load_target("/nonexistent/x", **options)
+
+
+def test_every_error_class_is_a_specwise_error():
+    for error in (ConfigError, DrafterError, PromptError, TargetLoadError):
+        assert issubclass(error, SpecwiseError)

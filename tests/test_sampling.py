@@ -1,0 +1,111 @@
+"""Logits processing (specwise.sampling) against the by-the-definition reference in conftest."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import reference_scores
+from specwise.loop import verify_chain
+from specwise.sampling import SamplingConfig, prefix_token_masks, probs_from_scores, process_logits
+
+V = 24
+
+
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=12), st.lists(st.integers(0, 9), max_size=6))
+def test_prefix_token_masks_match_naive(context, chain):
+    seen = prefix_token_masks(torch.tensor(context), torch.tensor(chain, dtype=torch.long), 10)
+    assert seen.shape == (len(chain) + 1, 10) and seen.dtype == torch.bool
+    for j in range(len(chain) + 1):
+        prefix = set(context) | set(chain[:j])
+        assert seen[j].tolist() == [t in prefix for t in range(10)], j
+
+
+def _chain_case(seed: int):
+    """Raw logits ``[5, V]`` for a context and a 4-token chain (with repeats), plus each row's prefix."""
+    g = torch.Generator().manual_seed(seed)
+    logits = 3.0 * torch.randn(5, V, generator=g, dtype=torch.float64)
+    context = torch.randint(0, V, (6,), generator=g)
+    chain = torch.tensor([int(context[0]), 5, 5, 17])
+    prefixes = [context.tolist() + chain[:j].tolist() for j in range(5)]
+    return logits, context, chain, prefixes
+
+
+CONFIGS = [
+    dict(temperature=t, top_k=k, top_p=p, repetition_penalty=r)
+    for t, k, p, r in itertools.product([0.5, 1.0, 1.7], [0, 1, 3, V + 5], [1.0, 0.9, 0.4], [1.0, 1.3, 0.7])
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "t{temperature}-k{top_k}-p{top_p}-r{repetition_penalty}".format(**c))
+def test_process_logits_matches_reference(config):
+    for seed in range(3):
+        logits, context, chain, prefixes = _chain_case(seed)
+        seen = prefix_token_masks(context, chain, V)
+        scores = process_logits(logits, SamplingConfig(**config), seen)
+        assert scores.shape == logits.shape and scores.dtype == torch.float64
+        for j, prefix in enumerate(prefixes):
+            expected = reference_scores(logits[j], prefix, **config)
+            assert torch.equal(torch.isinf(scores[j]), torch.isinf(expected)), (seed, j)
+            torch.testing.assert_close(scores[j], expected)
+            assert torch.isfinite(scores[j]).any()
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.5])
+def test_greedy_configs_only_apply_the_penalty(penalty):
+    logits, context, chain, prefixes = _chain_case(0)
+    seen = prefix_token_masks(context, chain, V)
+    for config in (SamplingConfig(repetition_penalty=penalty),
+                   SamplingConfig(temperature=0.7, top_k=1, top_p=0.5, repetition_penalty=penalty)):
+        assert config.is_greedy
+        scores = process_logits(logits, config, seen)
+        for j, prefix in enumerate(prefixes):
+            torch.testing.assert_close(scores[j], reference_scores(logits[j], prefix, repetition_penalty=penalty))
+
+
+def test_top_k_one_is_greedy():
+    """top-k = 1 selects the argmax at any temperature: as a greedy config, or, as a distribution, a point mass."""
+    logits, context, chain, prefixes = _chain_case(1)
+    seen = prefix_token_masks(context, chain, V)
+    config = SamplingConfig(temperature=1.3, top_k=1, repetition_penalty=1.2)
+    assert config.is_greedy
+    argmax = process_logits(logits, config, seen).argmax(-1)
+    for j, prefix in enumerate(prefixes):
+        assert int(argmax[j]) == int(reference_scores(logits[j], prefix, repetition_penalty=1.2).argmax())
+        one_hot = reference_scores(logits[j], prefix, temperature=1.3, top_k=1, repetition_penalty=1.2)
+        assert int(one_hot.argmax()) == int(argmax[j])
+
+
+def test_tiny_top_p_keeps_exactly_the_most_likely_token():
+    logits, *_ = _chain_case(2)
+    scores = process_logits(logits, SamplingConfig(temperature=1.0, top_p=1e-9))
+    assert (torch.isfinite(scores).sum(-1) == 1).all()
+    assert torch.equal(scores.argmax(-1), logits.argmax(-1))
+    probs = probs_from_scores(scores)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype, expected", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+                                             (torch.float32, torch.float32), (torch.float64, torch.float64)])
+def test_output_dtype(dtype, expected):
+    logits = torch.randn(3, V).to(dtype)
+    for config in (SamplingConfig(), SamplingConfig(temperature=0.9, top_k=5, top_p=0.8)):
+        assert process_logits(logits, config).dtype == expected
+
+
+def test_penalty_without_seen_is_an_error():
+    with pytest.raises(ValueError, match="seen"):
+        process_logits(torch.randn(2, V), SamplingConfig(temperature=1.0, repetition_penalty=1.2))
+
+
+def test_verify_chain_penalises_each_position_with_its_own_prefix():
+    """Context [0], drafts [1, 2], the same raw logits at every position. Penalty 2: row 0 sees {0}
+    and picks 1, row 1 sees {0, 1} and picks 2, row 2 sees {0, 1, 2} and picks 0. Penalising every
+    row with the context only (the HF 3-D processor bug) would reject draft 2."""
+    logits = torch.tensor([[5.0, 4.9, 4.8, 1.0]] * 3, dtype=torch.float64)
+    config = SamplingConfig(repetition_penalty=2.0)
+    assert verify_chain(logits, torch.tensor([1, 2]), None, torch.tensor([0]), config, None) == (2, 0)
