@@ -6,6 +6,7 @@ Bad input is reported as one sentence on stderr with exit code 2, never a traceb
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Sequence
@@ -141,12 +142,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = Console()
-    with Progress(TextColumn("bench"), BarColumn(), TextColumn("{task.completed}/{task.total} runs"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=console) as bar:
-        task = bar.add_task("bench", total=len(records) * len(contenders))
+    with contextlib.ExitStack() as stack:
+        if console.is_terminal:
+            bar = stack.enter_context(Progress(
+                TextColumn("bench"), BarColumn(), TextColumn("{task.completed}/{task.total} runs"),
+                TimeElapsedColumn(), TimeRemainingColumn(), console=console))
+            task = bar.add_task("bench", total=len(records) * len(contenders))
+            on_progress = lambda done, total: bar.update(task, completed=done)  # noqa: E731
+        else:  # a log file: one line per run instead of a live bar
+            on_progress = lambda done, total: print(f"bench: {done}/{total} runs", file=sys.stderr, flush=True)  # noqa: E731
         result = run_benchmark(target, records, contenders, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, seed=args.seed,
-                               on_progress=lambda done, total: bar.update(task, completed=done))
+                               temperature=args.temperature, seed=args.seed, on_progress=on_progress)
     (out / "results.json").write_text(_json.dumps(result.to_dict(), indent=1))
     (out / "report.md").write_text(markdown_report(result))
     for group in result.summaries:

@@ -10,14 +10,17 @@ chose but has not processed yet, so the KV cache always holds ``len(committed) -
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from specwise.drafters.base import Drafter
 from specwise.sampling import SamplingConfig, prefix_token_masks, probs_from_scores, process_logits
-from specwise.types import DraftContext, SpecStats, StepFeedback
-from specwise.verify import greedy_accept, speculative_sample
+from specwise.target import AttentionLayout
+from specwise.tree import DraftTree
+from specwise.types import DraftContext, Proposal, SpecStats, StepFeedback
+from specwise.verify import greedy_accept, greedy_tree_accept, speculative_sample, tree_speculative_sample
 
 
 def verify_chain(
@@ -48,6 +51,100 @@ def verify_chain(
         return greedy_accept(draft_tokens, scores.argmax(dim=-1))
     probs = probs_from_scores(process_logits(logits, sampling, seen))
     return speculative_sample(draft_tokens, probs, draft_probs, generator)
+
+
+def verify_tree(
+    logits: torch.Tensor,
+    tree: DraftTree,
+    draft_probs: torch.Tensor | None,
+    sibling_rule: str,
+    context_ids: torch.Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Process the target's logits at every tree node and walk the tree.
+
+    Args:
+        logits: ``[n, V]`` raw target logits per node (node 0 = root).
+        tree: the draft tree.
+        draft_probs: ``[n-1, V]`` per draft node, or ``None``.
+        sibling_rule: see :func:`specwise.verify.tree_speculative_sample`.
+        context_ids: ``[T+1]`` committed tokens ending with the root.
+
+    Returns:
+        ``(path, next_token)``: accepted node indices (root excluded) and the next root.
+    """
+    seen = None
+    if sampling.uses_history:
+        vocab = logits.shape[-1]
+        seen = prefix_token_masks(context_ids, context_ids[:0], vocab).expand(tree.size, vocab).clone()
+        on_path = tree.ancestors.clone()
+        on_path[:, 0] = False  # the root is already in the context
+        rows, cols = on_path.nonzero(as_tuple=True)
+        seen[rows, tree.tokens[cols]] = True
+    tokens = tree.tokens.tolist()
+    if sampling.is_greedy:
+        scores = logits if seen is None else process_logits(logits, sampling, seen)
+        return greedy_tree_accept(tree.children, tokens, scores.argmax(dim=-1).tolist())
+    probs = probs_from_scores(process_logits(logits, sampling, seen))
+    node_probs = None if draft_probs is None else torch.cat([probs[:1], draft_probs])
+    return tree_speculative_sample(tree.children, tokens, probs, node_probs, sibling_rule, generator)
+
+
+@dataclass
+class _Verified:
+    """The outcome of one verification forward."""
+
+    accepted: list[int]  # accepted draft tokens
+    next_token: int  # the correction / bonus token: the next root
+    nodes: list[int]  # accepted draft indices into Proposal.tokens
+    num_drafted: int
+    depth: int
+    hidden: dict[int, torch.Tensor]  # kept rows of the requested hidden states
+    aux_logits: torch.Tensor | None
+
+
+def _run_verification(target, cache, context: torch.Tensor, proposal: Proposal, budget: int,
+                      sampling: SamplingConfig, generator, hidden_layers) -> _Verified:
+    """Verify a proposal in one target forward and commit the accepted path in the KV cache."""
+    start = cache.length
+    root = context[-1:]
+    if proposal.parents is None and proposal.auxiliary is None:  # chain: the fast path
+        drafts = proposal.tokens[:budget]
+        k = drafts.numel()
+        probs = None if proposal.draft_probs is None else proposal.draft_probs[:k]
+        result = target.forward(torch.cat([root, drafts]) if k else root, cache,
+                                num_logits=k + 1, hidden_layers=hidden_layers)
+        num_accepted, next_token = verify_chain(result.logits, drafts, probs, context, sampling, generator)
+        cache.rollback(start + num_accepted + 1)
+        hidden = {i: h[: num_accepted + 1] for i, h in result.hidden_states.items()}
+        return _Verified(drafts[:num_accepted].tolist(), next_token, list(range(num_accepted)), k, k, hidden, None)
+
+    tree = DraftTree.build(root[0], proposal.tokens, proposal.parents).pruned(budget)
+    aux = proposal.auxiliary
+    n = tree.size
+    tokens, positions, visible = tree.tokens, tree.depth, tree.ancestors
+    logit_rows = torch.arange(n, device=context.device)
+    if aux is not None:
+        a = aux.tokens.numel()
+        tokens = torch.cat([tokens, aux.tokens])
+        positions = torch.cat([positions, aux.positions])
+        visible = torch.zeros(n + a, n + a, dtype=torch.bool, device=context.device)
+        visible[:n, :n] = tree.ancestors
+        visible[n:, 0] = True  # auxiliary tokens see the root, not the drafts
+        visible[n:, n:] = aux.visible
+        logit_rows = torch.cat([logit_rows, n + aux.logit_rows])
+    result = target.forward(tokens, cache, logit_rows=logit_rows, hidden_layers=hidden_layers,
+                            layout=AttentionLayout(visible, positions + start))
+    draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[tree.kept[1:] - 1]
+    path, next_token = verify_tree(result.logits[:n], tree, draft_probs, proposal.sibling_rule,
+                                   context, sampling, generator)
+    kept = [0] + path
+    cache.commit_path(start, kept)
+    hidden = {i: h[kept] for i, h in result.hidden_states.items()}
+    original = tree.kept.tolist()
+    return _Verified(tree.tokens[path].tolist(), next_token, [original[i] - 1 for i in path], n - 1,
+                     int(tree.depth.max()), hidden, result.logits[n:] if aux is not None else None)
 
 
 class _Clock:
@@ -132,7 +229,8 @@ def speculative_generate(
     out = _Output(target.decode, target.eos_token_ids, max_new_tokens, stop_strings)
     hidden_layers = drafter.target_hidden_layers
     prompt_length = prompt_ids.numel()
-    committed = torch.empty(prompt_length + max_new_tokens, dtype=torch.long, device=prompt_ids.device)
+    # committed tokens; room for a whole last step past max_new_tokens (cut later by _Output)
+    committed = torch.empty(prompt_length + 2 * max_new_tokens + 1, dtype=torch.long, device=prompt_ids.device)
     committed[:prompt_length] = prompt_ids
     length = prompt_length
     cache = target.new_cache()
@@ -155,34 +253,23 @@ def speculative_generate(
         budget = max_new_tokens - len(out.tokens) - 1
         t0 = clock.now()
         proposal = drafter.propose(DraftContext(committed[:length], budget, sampling, generator, cache.length))
-        drafts = proposal.tokens[:budget]
-        num_drafted = drafts.numel()
-        draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[:num_drafted]
-        # 2. verify: one target forward over [root, drafts]
+        # 2.-4. verify in one target forward, accept, keep the accepted path in the cache
         t1 = clock.now()
-        result = target.forward(
-            committed[length - 1: length] if num_drafted == 0 else torch.cat([committed[length - 1: length], drafts]),
-            cache,
-            num_logits=num_drafted + 1,
-            hidden_layers=hidden_layers,
-        )
+        step = _run_verification(target, cache, committed[:length], proposal, budget, sampling, generator,
+                                 hidden_layers)
         t2 = clock.now()
-        # 3. accept
-        num_accepted, next_token = verify_chain(result.logits, drafts, draft_probs, committed[:length], sampling, generator)
-        # 4. commit: keep the root and the accepted drafts in the cache; the next token is the new root
-        cache.rollback(length + num_accepted)
-        committed[length: length + num_accepted] = drafts[:num_accepted]
-        emitted = out.commit(drafts[:num_accepted].tolist() + [next_token])
-        committed[length + num_accepted] = next_token
-        length += num_accepted + 1
-        stats.record_step(num_drafted, num_accepted)
+        new = step.accepted + [step.next_token]
+        committed[length: length + len(new)] = torch.tensor(new, dtype=torch.long)
+        length += len(new)
+        emitted = out.commit(new)
+        stats.record_step(step.num_drafted, len(step.accepted), step.depth)
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += t2 - t1
         if streamer:
             streamer(emitted)
         # 5. tell the drafter
-        kept_hidden = {i: h[: num_accepted + 1] for i, h in result.hidden_states.items()}
-        drafter.observe(StepFeedback(committed[:length], num_drafted, num_accepted, cache.length, kept_hidden))
+        drafter.observe(StepFeedback(committed[:length], step.num_drafted, len(step.accepted), cache.length,
+                                     step.hidden, step.nodes, step.aux_logits))
 
     stats.verify_time_s += stats.prefill_time_s
     stats.new_tokens = len(out.tokens)

@@ -15,6 +15,7 @@ import torch
 
 from specwise.cache import KVCache
 from specwise.errors import ConfigError
+from specwise.tree import additive_attention_mask
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
           "float64": torch.float64}
@@ -91,31 +92,90 @@ class Target:
         input_ids: torch.Tensor,
         cache: KVCache,
         *,
-        num_logits: int,
+        num_logits: int | None = None,
+        logit_rows: torch.Tensor | None = None,
         hidden_layers: tuple[int, ...] = (),
+        layout: "AttentionLayout | None" = None,
     ) -> TargetOutput:
         """Run the target on new tokens after the cached prefix.
 
         Args:
-            input_ids: ``[n]`` long, tokens at positions ``cache.length .. cache.length + n - 1``.
+            input_ids: ``[n]`` long, new tokens; they occupy cache slots
+                ``cache.length .. cache.length + n - 1``.
             cache: the generation's KV cache; it grows by n.
-            num_logits: compute logits for only the last this-many positions (the LM head
-                dominates small models' cost, so the prefill asks for 1).
+            num_logits: compute logits for only the last this-many tokens (the LM head dominates
+                small models' cost, so the prefill asks for 1).
+            logit_rows: ``[R]`` long, compute logits for exactly these input rows instead.
             hidden_layers: hidden-state indices to return (HF ``hidden_states`` indexing).
+            layout: for trees and other non-causal inputs, which new tokens see which and their
+                positions; ``None`` means an ordinary causal continuation.
 
         Returns:
-            :class:`TargetOutput` with ``logits [num_logits, V]``.
+            :class:`TargetOutput` with ``logits [R, V]``.
+
+        Raises:
+            ConfigError: a custom layout on a model whose attention cannot take 4-D masks.
         """
+        n = input_ids.numel()
+        if logit_rows is not None:
+            keep = logit_rows
+        elif num_logits is None or num_logits >= n:
+            keep = 0
+        else:
+            # An index tensor, not an int: HF slices an int as a view whose [1, 1, H] strides send
+            # torch's linear down a slow batched path that copies the whole LM head (~0.5 s for
+            # Gemma-3-270M on CPU); an index gather gives a freshly laid-out tensor.
+            keep = torch.arange(n - num_logits, n, device=input_ids.device)
+        extra = {}
+        if layout is not None:
+            extra["attention_mask"] = self._layout_masks(cache.length, layout)
+            extra["position_ids"] = layout.positions[None]
         want_hidden = bool(hidden_layers)
         out = self.model(
             input_ids=input_ids[None],
             cache=cache.hf_cache,
             use_cache=True,
-            logits_to_keep=num_logits,
+            logits_to_keep=keep,
             output_hidden_states=want_hidden,
+            **extra,
         )
         hidden = {i: out.hidden_states[i][0] for i in hidden_layers} if want_hidden else {}
         return TargetOutput(logits=out.logits[0], hidden_states=hidden)
+
+    def _layout_masks(self, prefix_length: int, layout: "AttentionLayout"):
+        """Additive 4-D masks for a custom layout: one tensor, or one per layer type (Gemma-3)."""
+        config = self.model.config.get_text_config()
+        backend = getattr(self.model.config, "_attn_implementation", None) or "eager"
+        if backend not in ("eager", "sdpa"):
+            raise ConfigError(
+                f"tree verification needs attn_implementation 'sdpa' or 'eager', but {self.name} uses "
+                f"{backend!r}; load it with attn_implementation='sdpa'."
+            )
+        window = getattr(config, "sliding_window", None)
+        layer_types = set(getattr(config, "layer_types", None) or ())
+        unsupported = layer_types - {"full_attention", "sliding_attention"}
+        if unsupported:
+            raise ConfigError(f"tree verification does not support {sorted(unsupported)} layers ({config.model_type}).")
+        build = lambda w: additive_attention_mask(prefix_length, layout.visible, layout.positions, self.dtype, w)  # noqa: E731
+        if "sliding_attention" in layer_types:
+            return {"full_attention": build(None), "sliding_attention": build(window)}
+        if not layer_types and window is not None and getattr(config, "use_sliding_window", True):
+            return build(window)  # every layer slides (Mistral-style configs)
+        return build(None)
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Who sees whom among the n new tokens of a forward, and where they sit.
+
+    Attributes:
+        visible: ``[n, n]`` bool; ``visible[i, j]`` iff new token i attends to new token j (the
+            cached prefix is always visible).
+        positions: ``[n]`` long, absolute sequence (RoPE) positions.
+    """
+
+    visible: torch.Tensor
+    positions: torch.Tensor
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

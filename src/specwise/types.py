@@ -10,17 +10,46 @@ from specwise.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)
-class Proposal:
-    """Draft tokens for one speculation step (a chain).
+class AuxiliaryTokens:
+    """Tokens a drafter runs inside the verification forward for its own use (Lookahead's Jacobi
+    window): they are never verified or committed, and their KV entries are dropped afterwards.
 
     Attributes:
-        tokens: ``[K]`` long, draft tokens following the root; K may be 0 (a plain decoding step).
-        draft_probs: ``[K, V]`` the processed draft distributions the tokens were sampled from, or
+        tokens: ``[A]`` long.
+        positions: ``[A]`` long, offsets from the root's position (>= 1).
+        visible: ``[A, A]`` bool, which auxiliary tokens each one attends to; every auxiliary
+            token also sees the committed prefix and the root, and no draft token.
+        logit_rows: ``[R]`` long, the auxiliary rows whose target logits the drafter wants back
+            (in ``StepFeedback.aux_logits``).
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    visible: torch.Tensor
+    logit_rows: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for one speculation step: a chain, or a tree.
+
+    Attributes:
+        tokens: ``[K]`` long, draft tokens; K may be 0 (a plain decoding step). In a chain token
+            i follows token i-1 (token 0 follows the root).
+        draft_probs: ``[K, V]`` the processed draft distribution each token was sampled from, or
             ``None`` for deterministic ("delta") proposals such as n-gram lookup or greedy drafts.
+        parents: ``[K]`` long for a tree: the node index of each token's parent, where node 0 is
+            the root and token i is node i + 1 (so ``parents[i] <= i``); ``None`` for a chain.
+        sibling_rule: for trees with ``draft_probs``: how siblings were drawn, ``"iid"`` or
+            ``"without_replacement"`` (see :func:`specwise.verify.tree_speculative_sample`).
+        auxiliary: extra tokens run in the same forward for the drafter (see :class:`AuxiliaryTokens`).
     """
 
     tokens: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
+    sibling_rule: str = "delta"
+    auxiliary: AuxiliaryTokens | None = None
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> "Proposal":
@@ -64,7 +93,9 @@ class StepFeedback:
         cache_length: tokens in the target's KV cache after the commit (``T'``).
         hidden_states: for each layer in the drafter's ``target_hidden_layers``, the target's
             hidden states ``[num_accepted + 1, H]`` at the positions kept this step (the old root
-            and the accepted drafts); after the prefill, ``[prompt_length, H]``.
+            and the accepted drafts).
+        accepted_nodes: for tree proposals, the accepted draft indices into ``Proposal.tokens``.
+        aux_logits: ``[R, V]`` target logits of the requested auxiliary rows, if any.
     """
 
     token_ids: torch.Tensor
@@ -72,6 +103,8 @@ class StepFeedback:
     num_accepted: int
     cache_length: int
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    accepted_nodes: list[int] = field(default_factory=list)
+    aux_logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -96,17 +129,25 @@ class SpecStats:
     verify_time_s: float = 0.0
     prefill_time_s: float = 0.0
 
-    def record_step(self, num_drafted: int, num_accepted: int) -> None:
-        """Add one verification step's counts."""
+    def record_step(self, num_drafted: int, num_accepted: int, depth: int | None = None) -> None:
+        """Add one verification step's counts.
+
+        Args:
+            num_drafted: draft tokens verified (tree nodes, root excluded).
+            num_accepted: accepted draft tokens (the bonus token excluded).
+            depth: for trees, the deepest draft position (a chain's depth is ``num_drafted``);
+                acceptance by position counts steps that drafted at least that deep.
+        """
+        depth = num_drafted if depth is None else depth
         self.target_forwards += 1
         self.drafted_tokens += num_drafted
         self.accepted_tokens += num_accepted
         self.accepted_lengths.append(num_accepted)
-        grow = num_drafted - len(self.drafted_by_position)
+        grow = depth - len(self.drafted_by_position)
         if grow > 0:
             self.drafted_by_position.extend([0] * grow)
             self.accepted_by_position.extend([0] * grow)
-        for i in range(num_drafted):
+        for i in range(depth):
             self.drafted_by_position[i] += 1
         for i in range(num_accepted):
             self.accepted_by_position[i] += 1

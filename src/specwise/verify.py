@@ -107,3 +107,94 @@ def speculative_sample(
         int(draft_tokens[num_accepted]),
     )
     return num_accepted, _sample(residual, generator)
+
+
+def greedy_tree_accept(
+    children: tuple[tuple[int, ...], ...], node_tokens: list[int], target_tokens: list[int]
+) -> tuple[list[int], int]:
+    """Greedy tree verification (ALGORITHMS.md §2.3): follow the child equal to the target's argmax.
+
+    Args:
+        children: per node, its child node indices (see :class:`specwise.tree.DraftTree`).
+        node_tokens: ``n`` token ids, node 0 the root.
+        target_tokens: ``n`` target argmax ids; entry i is the target's choice after node i's path.
+
+    Returns:
+        ``(path, next_token)``: accepted node indices, root excluded, in order; and the target's
+        token after the last accepted node (the bonus / correction token).
+    """
+    path: list[int] = []
+    node = 0
+    while True:
+        want = target_tokens[node]
+        node = next((c for c in children[node] if node_tokens[c] == want), -1)
+        if node < 0:
+            return path, want
+        path.append(node)
+
+
+SIBLING_RULES = ("delta", "iid", "without_replacement")
+
+
+def tree_speculative_sample(
+    children: tuple[tuple[int, ...], ...],
+    node_tokens: list[int],
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    sibling_rule: str = "delta",
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Lossless tree verification by recursive rejection sampling (SpecInfer; ALGORITHMS.md §2.4).
+
+    Walking down from the root, the children of the current node are tried in order against a
+    residual r that starts as the target distribution p at that node: child x (drawn from q) is
+    accepted with probability ``min(1, r(x) / q(x))``; on rejection ``r <- norm(max(0, r - q))``.
+    If no child is accepted a token is drawn from r; at a leaf the bonus token is drawn from p.
+
+    Args:
+        children, node_tokens: the tree (see :func:`greedy_tree_accept`).
+        target_probs: ``[n, V]`` processed target probabilities per node.
+        draft_probs: ``[n, V]``; row c is the distribution child c was drawn from (row 0 unused),
+            or ``None`` for deterministic children.
+        sibling_rule: how the siblings were drawn: ``"delta"`` (deterministic, e.g. top-k or an
+            n-gram pool: q is one-hot), ``"iid"`` (independent draws from the same q), or
+            ``"without_replacement"`` (q restricted to not-yet-drawn tokens, renormalised).
+        generator: RNG.
+
+    Returns:
+        ``(path, next_token)`` as in :func:`greedy_tree_accept`.
+
+    Raises:
+        ValueError: an unknown sibling rule, or a stochastic rule without ``draft_probs``.
+    """
+    if sibling_rule not in SIBLING_RULES:
+        raise ValueError(f"unknown sibling rule {sibling_rule!r}; use one of {SIBLING_RULES}")
+    if sibling_rule != "delta" and draft_probs is None:
+        raise ValueError(f"sibling rule {sibling_rule!r} needs draft_probs")
+    path: list[int] = []
+    node = 0
+    while True:
+        residual = target_probs[node]
+        accepted = -1
+        for child in children[node]:
+            token = node_tokens[child]
+            if sibling_rule == "delta":
+                q = None
+            elif sibling_rule == "iid":
+                q = draft_probs[child]
+            else:  # without replacement: mask the siblings already tried
+                q = draft_probs[child].clone()
+                for earlier in children[node]:
+                    if earlier == child:
+                        break
+                    q[node_tokens[earlier]] = 0.0
+                q = q / q.sum()
+            ratio = residual[token] if q is None else (residual[token] / q[token]).clamp(max=1.0)
+            if float(torch.rand((), generator=generator, dtype=residual.dtype, device=residual.device)) < float(ratio):
+                accepted = child
+                break
+            residual = residual_distribution(residual, q, token)
+        if accepted < 0:
+            return path, _sample(residual, generator)
+        path.append(accepted)
+        node = accepted

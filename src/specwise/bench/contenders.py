@@ -55,9 +55,10 @@ def hf_contender(target, kind: str, label: str | None = None, **options: Any) ->
     model = target.model
     eos = sorted(target.eos_token_ids)
     extra: dict[str, Any] = {}
+    lookup: dict[str, Any] = {}
     if kind == "pld":
-        extra["prompt_lookup_num_tokens"] = int(options.get("prompt_lookup_num_tokens", 10))
-        extra["max_matching_ngram_size"] = int(options.get("max_matching_ngram_size", 2))
+        lookup["prompt_lookup_num_tokens"] = int(options.get("prompt_lookup_num_tokens", 10))
+        lookup["max_matching_ngram_size"] = int(options.get("max_matching_ngram_size", 2))
     elif kind == "assisted":
         extra["assistant_model"] = options["assistant_model"]
     elif kind != "generate":
@@ -70,7 +71,7 @@ def hf_contender(target, kind: str, label: str | None = None, **options: Any) ->
             max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
             top_k=(top_k or None) if sample else None, top_p=top_p if sample else None,
             repetition_penalty=repetition_penalty if repetition_penalty != 1.0 else None,
-            eos_token_id=eos, pad_token_id=target.tokenizer.pad_token_id or 0,
+            eos_token_id=eos, pad_token_id=target.tokenizer.pad_token_id or 0, **lookup,
         )
         if seed is not None:
             torch.manual_seed(seed)

@@ -154,7 +154,7 @@ def _compare(target, prompt_ids: torch.Tensor, baseline: RunRecord, record: RunR
     record.matches_baseline = False
     record.divergence_index = index
     context = torch.cat([prompt_ids, torch.tensor(a[:index], dtype=torch.long, device=prompt_ids.device)])
-    logits = target.model(input_ids=context[None], logits_to_keep=1).logits[0, -1].float()
+    logits = target.forward(context, target.new_cache(), num_logits=1).logits[-1].float()
     record.divergence_logit_gap = float((logits[a[index]] - logits[b[index]]).abs())
 
 

@@ -1,0 +1,130 @@
+"""Draft trees and the attention masks that verify them in one forward (ALGORITHMS.md §2).
+
+Pure tensor code: no models, no caches. Node 0 of a tree is the root (the last committed token,
+not yet seen by the target); nodes are in topological order (``parents[i] < i``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A draft tree of n nodes, root included.
+
+    Attributes:
+        tokens: ``[n]`` long; ``tokens[0]`` is the root.
+        parents: ``[n]`` long; ``parents[0] == -1`` and ``parents[i] < i``.
+        depth: ``[n]`` long; 0 for the root.
+        ancestors: ``[n, n]`` bool; ``ancestors[i, j]`` iff node j is node i or one of its ancestors.
+        children: per node, the child node indices in sibling order (the order they are tried in).
+        kept: ``[n]`` long; after :meth:`pruned`, each node's index in the unpruned tree.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    ancestors: torch.Tensor
+    children: tuple[tuple[int, ...], ...]
+    kept: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()
+
+    @staticmethod
+    def build(root: torch.Tensor | int, draft_tokens: torch.Tensor, draft_parents: torch.Tensor | None) -> "DraftTree":
+        """Assemble a tree from a root and draft nodes.
+
+        Args:
+            root: the root token id.
+            draft_tokens: ``[K]`` long; draft token i becomes node i + 1.
+            draft_parents: ``[K]`` long node indices (0 = root), each ``< i + 1``; ``None`` for a chain.
+
+        Raises:
+            ValueError: the parents are not in topological order.
+        """
+        k = draft_tokens.numel()
+        device = draft_tokens.device
+        tokens = torch.cat([torch.as_tensor(root, dtype=torch.long, device=device).reshape(1), draft_tokens])
+        if draft_parents is None:
+            parents_list = list(range(-1, k))
+        else:
+            parents_list = [-1] + [int(p) for p in draft_parents.tolist()]
+            bad = [i for i, p in enumerate(parents_list[1:], 1) if not 0 <= p < i]
+            if bad:
+                raise ValueError(f"draft tree parents must satisfy 0 <= parent < node; node {bad[0]} has {parents_list[bad[0]]}")
+        n = k + 1
+        ancestors = torch.eye(n, dtype=torch.bool)
+        depth = [0] * n
+        children: list[list[int]] = [[] for _ in range(n)]
+        for i in range(1, n):
+            p = parents_list[i]
+            ancestors[i] |= ancestors[p]
+            depth[i] = depth[p] + 1
+            children[p].append(i)
+        return DraftTree(
+            tokens=tokens,
+            parents=torch.tensor(parents_list, dtype=torch.long, device=device),
+            depth=torch.tensor(depth, dtype=torch.long, device=device),
+            ancestors=ancestors.to(device),
+            children=tuple(tuple(c) for c in children),
+            kept=torch.arange(n, device=device),
+        )
+
+    def pruned(self, max_depth: int) -> "DraftTree":
+        """The subtree of nodes at depth <= ``max_depth`` (``self`` when nothing is deeper).
+
+        ``kept`` of the result maps its nodes to this tree's node indices.
+        """
+        keep = self.depth <= max_depth
+        if bool(keep.all()):
+            return self
+        kept = keep.nonzero().flatten()
+        new_index = keep.long().cumsum(0) - 1
+        parents = new_index[self.parents[kept[1:]]]
+        tree = DraftTree.build(self.tokens[0], self.tokens[kept[1:]], parents)
+        return DraftTree(tree.tokens, tree.parents, tree.depth, tree.ancestors, tree.children, kept)
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's first child down to ``node`` (the root excluded)."""
+        path = []
+        parents = self.parents.tolist()
+        while node > 0:
+            path.append(node)
+            node = parents[node]
+        return path[::-1]
+
+
+def additive_attention_mask(
+    prefix_length: int,
+    visible: torch.Tensor,
+    positions: torch.Tensor,
+    dtype: torch.dtype,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The 4-D additive mask for a forward over n new tokens after a cached prefix.
+
+    Args:
+        prefix_length: T, the cached positions (all visible to every new token, subject to the window).
+        visible: ``[n, n]`` bool; ``visible[i, j]`` iff new token i may attend to new token j.
+        positions: ``[n]`` long, the sequence (RoPE) positions of the new tokens (``>= T``).
+        dtype: the model's floating dtype.
+        sliding_window: if set, key position ``k`` is visible to query position ``q`` only when
+            ``k > q - sliding_window`` (Hugging Face's sliding-window rule), as in sequential decoding.
+
+    Returns:
+        ``[1, 1, n, T + n]``: 0 where attending, ``finfo(dtype).min`` elsewhere.
+    """
+    device = visible.device
+    n = visible.shape[0]
+    allowed = torch.cat([torch.ones(n, prefix_length, dtype=torch.bool, device=device), visible], dim=1)
+    if sliding_window is not None:
+        key_positions = torch.cat([torch.arange(prefix_length, device=device), positions])
+        allowed &= key_positions[None, :] > positions[:, None] - sliding_window
+    mask = torch.zeros(n, prefix_length + n, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
