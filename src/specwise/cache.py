@@ -116,6 +116,7 @@ class KVCache:
         if length < current:
             self.hf_cache.crop(length - current)  # transformers 5.x: a negative count to remove
 
+    @torch.inference_mode()  # the buffers were created by inference-mode forwards
     def commit_path(self, start: int, nodes: list[int]) -> None:
         """Keep only the accepted tree path after a tree verification.
 

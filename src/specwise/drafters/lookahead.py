@@ -1,0 +1,160 @@
+"""``lookahead``: Lookahead decoding (Fu et al. 2024; ALGORITHMS.md §5), training-free.
+
+Each verification forward also runs a 2-D *Jacobi window* of guesses: ``ngram_size - 1`` levels of
+``window_size`` tokens, level 0 the oldest. Token (level l, column i) sits ``1 + i + l`` positions
+after the root and sees level-0 columns ``0..i`` and its own column in levels ``1..l``, so it
+continues the trajectory ``level0[0..i], level1[i], .., level_l[i]``. The target's argmax at the
+top level gives one new guess per column; each column then yields an n-gram
+``(level0[i], level1[i], .., new[i])`` for the *pool*, and the window slides up one level.
+
+The pool maps a token to the most recent n-grams that started with it (also filled from the prompt
+and the committed output). Up to ``max_candidates`` n-grams that start after the root are merged
+into a trie and verified as a draft tree in the same forward. Proposals are deterministic, so
+greedy output is exact and sampling uses the lossless "delta" tree rule.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from specwise.drafters.base import Drafter, MethodConfig, register_drafter
+from specwise.errors import ConfigError
+from specwise.types import AuxiliaryTokens, DraftContext, Proposal, StepFeedback
+
+
+@dataclass(frozen=True)
+class LookaheadConfig(MethodConfig):
+    """Options of ``lookahead`` (defaults tuned for Gemma-3-270M on a 2-core CPU; README)."""
+
+    window_size: int = 4  # W: Jacobi guesses per level (look-ahead distance)
+    ngram_size: int = 4  # N: n-gram length; the window keeps N - 1 levels
+    max_candidates: int = 6  # G: pool n-grams verified per step, and kept per key
+    pool_from_prompt: bool = True  # seed the pool with the prompt's n-grams
+    pool_from_output: bool = True  # add the committed output's n-grams as they appear
+
+    def __post_init__(self) -> None:
+        for name in ("window_size", "max_candidates"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
+        if not isinstance(self.ngram_size, int) or self.ngram_size < 2:
+            raise ConfigError(f"ngram_size must be an integer >= 2, got {self.ngram_size!r}.")
+
+
+class NgramPool:
+    """Token -> the most recent n-gram continuations that followed it (LRU, ``capacity`` per key)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+
+    def add(self, key: int, continuation: tuple[int, ...]) -> None:
+        entries = self._entries.setdefault(key, OrderedDict())
+        entries[continuation] = None
+        entries.move_to_end(continuation)
+        if len(entries) > self.capacity:
+            entries.popitem(last=False)
+
+    def add_sequence(self, tokens: list[int], n: int, first_start: int = 0) -> None:
+        """Add every n-gram of ``tokens`` that starts at index ``>= first_start``."""
+        for s in range(max(first_start, 0), len(tokens) - n + 1):
+            self.add(tokens[s], tuple(tokens[s + 1: s + n]))
+
+    def lookup(self, key: int) -> list[tuple[int, ...]]:
+        """Continuations of ``key``, most recent first."""
+        return list(reversed(self._entries.get(key, ())))
+
+
+def build_trie(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
+    """Merge token sequences into a trie under the root.
+
+    Returns:
+        ``(tokens, parents)`` of the draft nodes in topological order; node 0 is the root, draft
+        node i is tree node i + 1.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    index: dict[tuple[int, int], int] = {}
+    for candidate in candidates:
+        parent = 0
+        for token in candidate:
+            node = index.get((parent, token))
+            if node is None:
+                tokens.append(token)
+                parents.append(parent)
+                node = index[(parent, token)] = len(tokens)
+            parent = node
+    return tokens, parents
+
+
+def window_layout(levels: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and visibility of a ``levels x width`` Jacobi window, flattened level-major.
+
+    Returns:
+        ``positions [L*W]`` (offsets from the root, ``1 + i + l``) and ``visible [L*W, L*W]`` bool.
+    """
+    level = torch.arange(levels).repeat_interleave(width)  # shape: [L*W]
+    column = torch.arange(width).repeat(levels)
+    positions = 1 + column + level
+    sees_level0 = (level[None, :] == 0) & (column[None, :] <= column[:, None])
+    same_column = (column[None, :] == column[:, None]) & (level[None, :] >= 1) & (level[None, :] <= level[:, None])
+    return positions, sees_level0 | same_column
+
+
+@register_drafter("lookahead", LookaheadConfig, "Lookahead decoding: Jacobi window + n-gram pool, verified as a tree")
+class LookaheadDrafter(Drafter):
+    """Lookahead decoding as a drafter: the Jacobi window rides along as auxiliary tokens."""
+
+    def __init__(self, target, config: LookaheadConfig) -> None:
+        self.config = config
+        self.levels_count = config.ngram_size - 1
+        positions, visible = window_layout(self.levels_count, config.window_size)
+        device = target.device
+        self._positions = positions.to(device)
+        self._visible = visible.to(device)
+        top = (self.levels_count - 1) * config.window_size
+        self._logit_rows = torch.arange(top, top + config.window_size, device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.pool = NgramPool(self.config.max_candidates)
+        self.window: torch.Tensor | None = None  # shape: [N-1, W]
+        self._pooled_upto = 0
+
+    def prefill(self, ctx: DraftContext) -> None:
+        ids = ctx.token_ids
+        generator = torch.Generator(device="cpu").manual_seed(0)  # guesses only: any choice is exact
+        picks = torch.randint(0, ids.numel(), (self.levels_count, self.config.window_size), generator=generator)
+        self.window = ids[picks.to(ids.device)]
+        tokens = ids.tolist()
+        if self.config.pool_from_prompt:
+            self.pool.add_sequence(tokens, self.config.ngram_size)
+        self._pooled_upto = len(tokens)
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        ids = ctx.token_ids
+        budget = ctx.max_draft_tokens
+        root = int(ids[-1])
+        candidates = [c[:budget] for c in self.pool.lookup(root)[: self.config.max_candidates]] if budget > 0 else []
+        tokens, parents = build_trie([c for c in candidates if c])
+        auxiliary = AuxiliaryTokens(self.window.flatten(), self._positions, self._visible, self._logit_rows)
+        return Proposal(
+            torch.tensor(tokens, dtype=torch.long, device=ids.device),
+            parents=torch.tensor(parents, dtype=torch.long, device=ids.device),
+            auxiliary=auxiliary,
+        )
+
+    def observe(self, feedback: StepFeedback) -> None:
+        n = self.config.ngram_size
+        newest = feedback.aux_logits.argmax(dim=-1)  # shape: [W]
+        grams = torch.cat([self.window, newest[None]]).T.tolist()  # W n-grams of length N
+        for gram in grams:
+            self.pool.add(gram[0], tuple(gram[1:]))
+        self.window = torch.cat([self.window[1:], newest[None]])
+        if self.config.pool_from_output:
+            tokens = feedback.token_ids.tolist()
+            self.pool.add_sequence(tokens, n, first_start=self._pooled_upto - n + 1)
+            self._pooled_upto = len(tokens)
