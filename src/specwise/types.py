@@ -64,8 +64,9 @@ class DraftContext:
     Attributes:
         token_ids: ``[T+1]`` long, prompt plus committed tokens; the last one is the root, chosen
             by the target but not yet fed to it.
-        max_draft_tokens: at most this many draft tokens are verified this step (it shrinks near
-            ``max_new_tokens`` so the bonus token still fits).
+        max_draft_tokens: at most this many draft tokens can be accepted this step: the length of
+            a chain, the depth of a tree (it shrinks near ``max_new_tokens`` so the bonus token
+            still fits; the loop cuts longer chains and prunes deeper trees).
         sampling: the sampling options; drafters that return probabilities must process their
             logits with them (``specwise.sampling.process_logits``).
         generator: the RNG drafters must use for any random choice.

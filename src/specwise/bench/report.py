@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Sequence
+
+from rich.markup import escape
 from rich.table import Table
 
 from specwise.bench.runner import BenchResult, Summary
@@ -27,12 +31,13 @@ def rich_table(result: BenchResult, group: str = "overall") -> Table:
     for name in COLUMNS:
         table.add_column(name)
     for s in result.summaries[group]:
-        table.add_row(*_cells(s))
+        table.add_row(*(escape(cell) for cell in _cells(s)))  # labels like pld[k=3] are not markup
     return table
 
 
-def markdown_report(result: BenchResult) -> str:
-    """All groups as Markdown tables, overall first."""
+def markdown_report(result: BenchResult, plots: Sequence[str | Path] = ()) -> str:
+    """All groups as Markdown tables, overall first; then the sweep table (for a ``--sweep`` run)
+    and the plots, linked by file name (they sit beside the report)."""
     c = result.config
     lines = [f"# specwise bench: {c['target']}", "",
              f"{c['dtype']} on {c['device']}, temperature {c['temperature']}, {c['max_new_tokens']} new tokens, "
@@ -44,4 +49,21 @@ def markdown_report(result: BenchResult) -> str:
         lines += [f"## {group}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         lines += ["| " + " | ".join(_cells(s)) + " |" for s in result.summaries[group]]
         lines.append("")
+    if result.config.get("sweep"):
+        lines += _sweep_lines(result)
+    if plots:
+        lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     return "\n".join(lines)
+
+
+def _sweep_lines(result: BenchResult) -> list[str]:
+    from specwise.bench.plots import sweep_table
+
+    key = result.config["sweep"]["key"]
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    lines = [f"## sweep over {key}", "", "All prompts. Acceptance rate = accepted / drafted draft tokens.", "",
+             f"| method | {key} | acceptance rate | τ | speedup vs ar |", "|---|---|---|---|---|"]
+    for base, rows in sweep_table(result.to_dict()).items():
+        lines += [f"| {base} | {value} | {fmt(alpha, '.3f')} | {fmt(tau, '.2f')} | "
+                  f"{'-' if speed is None else f'{speed:.2f}x'} |" for value, alpha, tau, speed in rows]
+    return lines + [""]

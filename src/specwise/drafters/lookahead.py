@@ -9,7 +9,10 @@ top level gives one new guess per column; each column then yields an n-gram
 
 The pool maps a token to the most recent n-grams that started with it (also filled from the prompt
 and the committed output). Up to ``max_candidates`` n-grams that start after the root are merged
-into a trie and verified as a draft tree in the same forward. Proposals are deterministic, so
+into a trie and verified as a draft tree in the same forward. One more branch (our addition, on by
+default, ``context_match_tokens``) is what prompt lookup would propose: the continuation of the
+most recent earlier occurrence of the context's last 1-3 tokens, up to 8 tokens long, which pool
+n-grams of length N - 1 cannot reach. Proposals are deterministic, so
 greedy output is exact and sampling uses the lossless "delta" tree rule.
 """
 
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from specwise.drafters.base import Drafter, MethodConfig, register_drafter
+from specwise.drafters.prompt_lookup import lookup_continuation
 from specwise.errors import ConfigError
 from specwise.types import AuxiliaryTokens, DraftContext, Proposal, StepFeedback
 
@@ -34,8 +38,11 @@ class LookaheadConfig(MethodConfig):
     max_candidates: int = 6  # G: pool n-grams verified per step, and kept per key
     pool_from_prompt: bool = True  # seed the pool with the prompt's n-grams
     pool_from_output: bool = True  # add the committed output's n-grams as they appear
+    context_match_tokens: int = 8  # also verify the continuation of the longest recent context match (0 = off)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.context_match_tokens, int) or self.context_match_tokens < 0:
+            raise ConfigError(f"context_match_tokens must be an integer >= 0, got {self.context_match_tokens!r}.")
         for name in ("window_size", "max_candidates"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -104,6 +111,15 @@ def window_layout(levels: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     return positions, sees_level0 | same_column
 
 
+def _context_match(ids: torch.Tensor, num_tokens: int, max_ngram: int = 3) -> tuple[int, ...]:
+    """Prompt lookup's proposal: what followed the latest earlier match of the last 3, 2 or 1 tokens."""
+    for n in range(min(max_ngram, ids.numel() - 1), 0, -1):
+        found = lookup_continuation(ids, n, num_tokens, latest=True)
+        if found is not None:
+            return tuple(found.tolist())
+    return ()
+
+
 @register_drafter("lookahead", LookaheadConfig, "Lookahead decoding: Jacobi window + n-gram pool, verified as a tree")
 class LookaheadDrafter(Drafter):
     """Lookahead decoding as a drafter: the Jacobi window rides along as auxiliary tokens."""
@@ -138,8 +154,12 @@ class LookaheadDrafter(Drafter):
         ids = ctx.token_ids
         budget = ctx.max_draft_tokens
         root = int(ids[-1])
-        candidates = [c[:budget] for c in self.pool.lookup(root)[: self.config.max_candidates]] if budget > 0 else []
-        tokens, parents = build_trie([c for c in candidates if c])
+        candidates = self.pool.lookup(root)[: self.config.max_candidates]
+        if self.config.context_match_tokens:
+            match = _context_match(ids, self.config.context_match_tokens)
+            if match:
+                candidates.insert(0, match)
+        tokens, parents = build_trie([c[:budget] for c in candidates if c] if budget > 0 else [])
         auxiliary = AuxiliaryTokens(self.window.flatten(), self._positions, self._visible, self._logit_rows)
         return Proposal(
             torch.tensor(tokens, dtype=torch.long, device=ids.device),

@@ -1,0 +1,185 @@
+"""``specwise analyze``: calibrate the speedup model on this machine, plot it, check it against a bench run.
+
+    specwise analyze --calibrate --out DIR                 # measure t(n), v(n), c; write DIR/calibration.json
+    specwise analyze --overlay RESULTS.json --out DIR      # curves + measured points, predicted vs measured
+    specwise analyze --overlay RESULTS.json --calibration CAL.json --out DIR
+
+Writes into ``--out``: ``calibration.json`` (with ``--calibrate``), ``verify_cost.png``,
+``speedup_vs_alpha.png``, ``speedup_vs_k.png``, ``analysis.md`` and, with ``--overlay``,
+``predicted_vs_measured.md``. Importing this module is light (the CLI parser imports it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+OPTIMAL_K_ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def add_analyze_args(parser: argparse.ArgumentParser, default_target: str) -> None:
+    """The options of ``specwise analyze``."""
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure the cost parameters on this machine (t(n), v(n), c per method) first")
+    parser.add_argument("--overlay", default=None, metavar="RESULTS.json",
+                        help="a `specwise bench` results file whose measured points are drawn over the curves")
+    parser.add_argument("--calibration", default=None, metavar="CALIBRATION.json",
+                        help="calibration to use without --calibrate (default: OUT/calibration.json)")
+    parser.add_argument("--out", default="runs/analyze", help="output directory (default runs/analyze)")
+    parser.add_argument("--target", default=default_target, help="target to calibrate (with --calibrate)")
+    parser.add_argument("--methods", default="pld",
+                        help="chain drafting methods to calibrate, comma-separated, e.g. 'pld,draft[drafter=PATH]'")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--context-length", type=int, default=256, help="cached tokens before each timed forward")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per size / method (medians)")
+    parser.add_argument("--sizes", type=_int_list, default=(1, 2, 4, 8, 16, 32, 64),
+                        help="token counts n to time t(n) at (default 1,2,4,8,16,32,64)")
+    parser.add_argument("--ks", type=_int_list, default=(3, 5, 7), help="k values of the speedup curves")
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    """Run ``specwise analyze``; returns the exit code. Raises SpecwiseError on bad input."""
+    from rich.console import Console
+
+    from specwise.analysis.calibrate import Calibration
+    from specwise.analysis.overlay import load_results, measured_points, mismatch_notes, predict, prediction_table
+    from specwise.analysis.plots import plot_speedup_vs_alpha, plot_speedup_vs_k, plot_verify_cost
+    from specwise.errors import ConfigError
+
+    out = Path(args.out)
+    if args.calibrate and args.calibration:
+        raise ConfigError("--calibrate writes OUT/calibration.json; drop --calibration, or drop --calibrate to reuse it.")
+    results = load_results(args.overlay) if args.overlay else None  # fail on a bad path before slow work
+    if args.calibrate:
+        calibration = _calibrate(args)
+        out.mkdir(parents=True, exist_ok=True)
+        calibration.save(out / "calibration.json")
+    else:
+        calibration = Calibration.load(args.calibration or out / "calibration.json")
+        out.mkdir(parents=True, exist_ok=True)
+
+    points, notes = [], []
+    if results is not None:
+        points = predict(measured_points(results), calibration)
+        notes = mismatch_notes(results, calibration)
+        if not points:
+            notes.append("the bench run has no chain-drafting contender (only ar / hf-* / tree methods): "
+                         "nothing to compare.")
+    plots = [plot_verify_cost(calibration, out / "verify_cost.png"),
+             plot_speedup_vs_alpha(calibration, out / "speedup_vs_alpha.png", args.ks, points),
+             plot_speedup_vs_k(calibration, out / "speedup_vs_k.png")]
+    report = analysis_markdown(calibration, points, notes, plots, args.overlay)
+    (out / "analysis.md").write_text(report)
+    if results is not None:
+        table = prediction_table(points)
+        (out / "predicted_vs_measured.md").write_text(
+            f"# Predicted vs measured: {args.overlay}\n\n" + "".join(f"- note: {n}\n" for n in notes) + "\n" + table + "\n")
+    console = Console()
+    console.print(_calibration_summary(calibration))
+    if points:
+        console.print(_points_table(points))
+    for note in notes:
+        console.print(f"note: {note}", markup=False)
+    written = ["calibration.json"] if args.calibrate else []
+    written += [p.name for p in plots] + ["analysis.md"] + (["predicted_vs_measured.md"] if results else [])
+    console.print(f"wrote {', '.join(written)} to {out}", markup=False)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace):
+    import specwise
+    from specwise.analysis.calibrate import calibrate
+    from specwise.cli import split_specs
+
+    methods = split_specs(args.methods)
+    for spec in methods:  # validate options before loading the model
+        from specwise.bench.sweep import split_spec
+
+        name, options = split_spec(spec)
+        specwise.METHODS.get(name).make_config(**options)
+    target = specwise.load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
+    return calibrate(target, methods, sizes=args.sizes, context_length=args.context_length,
+                     repeats=args.repeats, progress=_progress)
+
+
+def analysis_markdown(calibration, points, notes, plots, overlay) -> str:
+    """The ``analysis.md`` report: costs, optimal k per method, predicted vs measured, plots."""
+    from specwise.analysis.model import optimal_num_draft_tokens
+    from specwise.analysis.overlay import prediction_table
+
+    c = calibration
+    v = c.verify_cost
+    lines = [f"# specwise analyze: {c.target}", "",
+             f"{c.dtype} on {c.device} ({c.machine.get('processor', '?')}, {c.machine.get('torch_threads', '?')} "
+             f"threads, torch {c.machine.get('torch', '?')}), calibrated {c.created}, {c.context_length} cached "
+             f"tokens, medians of {c.repeats} runs.", "",
+             "Model (ALGORITHMS.md §1.5): E(α, k) = (1 − α^(k+1)) / (1 − α) tokens per step; "
+             "speedup = E / (k·c + v(k+1)), with v(n) = t(n) / t(1) and c the draft cost per token relative to t(1).",
+             "", "## Verification cost", "", "| n tokens | t(n) ms | v(n) |", "|---|---|---|"]
+    lines += [f"| {n} | {t * 1e3:.2f} | {r:.3f} |" for n, t, r in zip(c.num_tokens, c.forward_time_s, v.relative_cost)]
+    lines += ["", "## Draft cost", "", "| method | K | drafted per call | propose µs | c |", "|---|---|---|---|---|"]
+    lines += [f"| {m.spec} | {m.num_draft_tokens} | {m.drafted_per_call:g} | {m.propose_time_s * 1e6:.1f} | "
+              f"{m.draft_cost:.3g} |" for m in c.methods.values()]
+    lines += ["", "## Optimal k (k* in 1..64, predicted speedup)", "",
+              "| method | " + " | ".join(f"α = {a}" for a in OPTIMAL_K_ALPHAS) + " |",
+              "|---|" + "---|" * len(OPTIMAL_K_ALPHAS)]
+    for m in c.methods.values():
+        cells = [optimal_num_draft_tokens(a, m.draft_cost, v) for a in OPTIMAL_K_ALPHAS]
+        lines.append(f"| {m.spec} | " + " | ".join(f"{k}, {s:.2f}×" for k, s in cells) + " |")
+    if overlay:
+        lines += ["", f"## Predicted vs measured ({overlay})", "",
+                  "α measured = accepted / drafted draft tokens. The model assumes every step drafts k tokens, "
+                  "each accepted independently with probability α, and ignores the prefill and per-step overhead: "
+                  "where the measured drafts per step are well below k (prompt lookup without a match drafts "
+                  "nothing) it charges verification cost v(k+1) that the run did not pay, and underestimates.",
+                  ""]
+        lines += [f"- note: {n}" for n in notes] + ([""] if notes else [])
+        lines.append(prediction_table(points))
+    lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def _calibration_summary(calibration):
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"calibration: {calibration.target} {calibration.dtype} on {calibration.device}, "
+                        f"t(1) = {calibration.step_time_s * 1e3:.2f} ms")
+    table.add_column("n tokens")
+    table.add_column("t(n) ms")
+    table.add_column("v(n)")
+    for n, t, r in zip(calibration.num_tokens, calibration.forward_time_s, calibration.verify_cost.relative_cost):
+        table.add_row(str(n), f"{t * 1e3:.2f}", f"{r:.3f}")
+    for m in calibration.methods.values():
+        table.add_row(escape(f"c of {m.spec}"), f"{m.propose_time_s * 1e3:.3f} ms / call", f"{m.draft_cost:.3g}")
+    return table
+
+
+def _points_table(points):
+    from rich.markup import escape
+    from rich.table import Table
+
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    table = Table(title="predicted vs measured")
+    for name in ("contender", "group", "k", "α", "τ meas.", "τ pred.", "speedup meas.", "speedup pred."):
+        table.add_column(name)
+    for p in points:
+        table.add_row(escape(p.contender), p.group, str(p.num_draft_tokens), fmt(p.alpha, ".3f"), fmt(p.measured_tau, ".2f"),
+                      fmt(p.predicted_tau, ".2f"), fmt(p.measured_speedup, ".2f"), fmt(p.predicted_speedup, ".2f"))
+    return table
