@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from conftest import make_target, random_prompt, repetitive_prompt
 from specwise.bench import RunRecord, parse_contender, run_benchmark, specwise_contender
@@ -266,3 +267,27 @@ def test_specwise_contender_label():
     target = make_target("llama", eos=())
     assert specwise_contender(target, "pld", num_draft_tokens=3).name == "pld"
     assert parse_contender(target, "pld[num_draft_tokens=3]").name == "pld[num_draft_tokens=3]"
+
+
+def test_cli_bench_sweep_end_to_end(tmp_path, capsys):
+    """``specwise bench --sweep`` on a tiny model saved as an HF directory: results, report, plots."""
+    from conftest import make_model, make_tokenizer
+
+    model_dir = tmp_path / "tiny"
+    make_model("llama").to(torch.float32).save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "category": cat, "prompt": _text(ids)}) + "\n"
+                               for i, (cat, ids) in enumerate([("rep", repetitive_prompt(24, period=5)),
+                                                               ("rand", random_prompt(12, seed=5))])))
+    out = tmp_path / "out"
+    assert main(["bench", "--target", str(model_dir), "--prompts", str(prompts), "--methods", "ar,pld",
+                 "--sweep", "num_draft_tokens=2,3", "--max-new-tokens", "8", "--dtype", "float32",
+                 "--device", "cpu", "--out", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["config"]["contenders"] == ["ar", "pld[num_draft_tokens=2]", "pld[num_draft_tokens=3]"]
+    assert data["config"]["sweep"]["values"] == [2, 3]
+    for name in PLOT_FILES.values():
+        assert_png(out / name)
+        assert f"]({name})" in (out / "report.md").read_text()
+    assert "pld[num_draft_tokens=3]" in (out / "report.md").read_text()

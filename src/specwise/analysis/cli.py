@@ -105,12 +105,11 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace):
     import specwise
     from specwise.analysis.calibrate import calibrate
+    from specwise.bench.sweep import split_spec
     from specwise.cli import split_specs
 
     methods = split_specs(args.methods)
     for spec in methods:  # validate options before loading the model
-        from specwise.bench.sweep import split_spec
-
         name, options = split_spec(spec)
         specwise.METHODS.get(name).make_config(**options)
     target = specwise.load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)

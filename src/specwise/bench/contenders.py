@@ -86,14 +86,15 @@ def hf_contender(target, kind: str, label: str | None = None, **options: Any) ->
     return Contender(label or f"hf-{kind}", run, is_peer=True)
 
 
-def parse_contender(target, spec: str) -> Contender:
-    """Build a contender from ``name[key=value,...]``: a specwise method (``pld[num_draft_tokens=5]``)
-    or an HF peer (``hf-generate``, ``hf-pld[prompt_lookup_num_tokens=10]``).
+def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``'pld[num_draft_tokens=5,match=latest]'`` -> ``('pld', {'num_draft_tokens': 5, 'match': 'latest'})``.
+
+    Values are read as int, else float, else kept as text (as :func:`parse_contender` does).
 
     Raises:
-        ConfigError: malformed spec. DrafterError: unknown method.
+        ConfigError: unbalanced brackets or an option without ``=``.
     """
-    name, _, rest = spec.partition("[")
+    name, _, rest = spec.strip().partition("[")
     options: dict[str, Any] = {}
     if rest:
         if not rest.endswith("]"):
@@ -102,13 +103,24 @@ def parse_contender(target, spec: str) -> Contender:
             key, eq, value = item.partition("=")
             if not eq:
                 raise ConfigError(f"malformed option {item!r} in {spec!r}; expected key=value.")
-            options[key.strip()] = _parse_value(value.strip())
+            options[key.strip()] = parse_option_value(value.strip())
+    return name.strip(), options
+
+
+def parse_contender(target, spec: str) -> Contender:
+    """Build a contender from ``name[key=value,...]``: a specwise method (``pld[num_draft_tokens=5]``)
+    or an HF peer (``hf-generate``, ``hf-pld[prompt_lookup_num_tokens=10]``).
+
+    Raises:
+        ConfigError: malformed spec. DrafterError: unknown method.
+    """
+    name, options = split_spec(spec)
     if name.startswith("hf-"):
         return hf_contender(target, name[3:], label=spec, **options)
     return specwise_contender(target, name, label=spec, **options)
 
 
-def _parse_value(text: str) -> Any:
+def parse_option_value(text: str) -> Any:
     for cast in (int, float):
         try:
             return cast(text)

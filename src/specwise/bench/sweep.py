@@ -12,30 +12,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from specwise.bench.contenders import _parse_value
+from specwise.bench.contenders import parse_option_value, split_spec
 from specwise.bench.runner import BASELINE
 from specwise.errors import ConfigError
-
-
-def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``'pld[num_draft_tokens=5,match=latest]'`` -> ``('pld', {'num_draft_tokens': 5, 'match': 'latest'})``.
-
-    Values are read as int, else float, else kept as text (as :func:`parse_contender` does).
-
-    Raises:
-        ConfigError: unbalanced brackets or an option without ``=``.
-    """
-    name, _, rest = spec.strip().partition("[")
-    options: dict[str, Any] = {}
-    if rest:
-        if not rest.endswith("]"):
-            raise ConfigError(f"malformed method spec {spec!r}; expected name[key=value,...].")
-        for item in filter(None, rest[:-1].split(",")):
-            key, eq, value = item.partition("=")
-            if not eq:
-                raise ConfigError(f"malformed option {item!r} in {spec!r}; expected key=value.")
-            options[key.strip()] = _parse_value(value.strip())
-    return name.strip(), options
 
 
 def join_spec(name: str, options: dict[str, Any]) -> str:
@@ -69,7 +48,7 @@ class Sweep:
         """
         key, eq, rest = text.partition("=")
         key = key.strip()
-        values = tuple(_parse_value(v.strip()) for v in rest.split(",") if v.strip())
+        values = tuple(parse_option_value(v.strip()) for v in rest.split(",") if v.strip())
         if not eq or not key or not values:
             raise ConfigError(f"malformed sweep {text!r}; expected KEY=V1,V2,... e.g. num_draft_tokens=1,3,5,7.")
         if len(set(map(str, values))) != len(values):
