@@ -65,9 +65,9 @@ class NgramPool:
         if len(entries) > self.capacity:
             entries.popitem(last=False)
 
-    def add_sequence(self, tokens: list[int], n: int, first_start: int = 0) -> None:
-        """Add every n-gram of ``tokens`` that starts at index ``>= first_start``."""
-        for s in range(max(first_start, 0), len(tokens) - n + 1):
+    def add_sequence(self, tokens: list[int], n: int) -> None:
+        """Add every n-gram of ``tokens``."""
+        for s in range(len(tokens) - n + 1):
             self.add(tokens[s], tuple(tokens[s + 1: s + n]))
 
     def lookup(self, key: int) -> list[tuple[int, ...]]:
@@ -174,7 +174,7 @@ class LookaheadDrafter(Drafter):
         for gram in grams:
             self.pool.add(gram[0], tuple(gram[1:]))
         self.window = torch.cat([self.window[1:], newest[None]])
-        if self.config.pool_from_output:
-            tokens = feedback.token_ids.tolist()
-            self.pool.add_sequence(tokens, n, first_start=self._pooled_upto - n + 1)
-            self._pooled_upto = len(tokens)
+        if self.config.pool_from_output:  # the n-grams that end in this step's new tokens
+            start = max(self._pooled_upto - n + 1, 0)
+            self.pool.add_sequence(feedback.token_ids[start:].tolist(), n)
+            self._pooled_upto = feedback.token_ids.numel()
