@@ -126,6 +126,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     import specwise
     from specwise.bench import parse_contender, run_benchmark
+    from specwise.bench.contenders import hf_peer_specs
     from specwise.bench.report import markdown_report, rich_table
     from specwise.prompts import default_prompt_records, load_prompts, take_per_category
 
@@ -136,7 +137,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise specwise.errors.ConfigError("no prompts to benchmark.")
     specs = split_specs(args.methods)
     if args.hf_peers:
-        specs += ["hf-generate", "hf-pld"]
+        specs += hf_peer_specs(specs)
     sweep = None
     if args.sweep:  # one contender per value, all measured side by side in the same run
         from specwise.bench.sweep import Sweep
@@ -185,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark methods and Hugging Face peers, interleaved in one process")
     bench.add_argument("--target", default=DEFAULT_TARGET)
     bench.add_argument("--prompts", nargs="*", default=None, help="prompt JSONL files (default: the built-in set + 3 HumanEval prompts)")
-    bench.add_argument("--methods", default="ar,pld",
+    bench.add_argument("--methods", default="ar,pld,lookahead",
                        help="comma-separated contenders, e.g. 'ar,pld,pld[num_draft_tokens=5,max_ngram_size=2],hf-pld'")
     bench.add_argument("--hf-peers", action="store_true", help="add Hugging Face generate and prompt lookup")
     bench.add_argument("--per-category", type=int, default=0, help="first N prompts of each category")

@@ -80,6 +80,7 @@ class Calibration:
     forward_time_s: tuple[float, ...]
     methods: dict[str, MethodCost] = field(default_factory=dict)
     created: str = ""
+    tree_forward_time_s: tuple[float, ...] = ()  # t(n) for a binary draft tree of n nodes (4-D mask)
 
     @property
     def verify_cost(self) -> VerifyCostTable:
@@ -90,6 +91,7 @@ class Calibration:
         out = dataclasses.asdict(self)
         out["num_tokens"] = list(self.num_tokens)
         out["forward_time_s"] = list(self.forward_time_s)
+        out["tree_forward_time_s"] = list(self.tree_forward_time_s)
         out["verify_cost"] = {str(n): round(v, 4) for n, v in zip(self.num_tokens, self.verify_cost.relative_cost)}
         return {"schema": SCHEMA, **out}
 
@@ -110,6 +112,7 @@ class Calibration:
                 step_time_s=float(data["step_time_s"]), num_tokens=tuple(int(n) for n in data["num_tokens"]),
                 forward_time_s=tuple(float(t) for t in data["forward_time_s"]), methods=methods,
                 created=data.get("created", ""),
+                tree_forward_time_s=tuple(float(t) for t in data.get("tree_forward_time_s", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"calibration data is incomplete or malformed ({exc!r}).") from None
@@ -182,7 +185,18 @@ class _Clock:
         return time.perf_counter()
 
 
-def measure_forward_times(target, context_ids: torch.Tensor, sizes: Sequence[int], repeats: int) -> list[float]:
+def binary_tree_layout(num_nodes: int, start: int, device) -> "AttentionLayout":
+    """The layout of a complete binary draft tree of ``num_nodes`` nodes (node i's parent is (i-1)//2)."""
+    from specwise.target import AttentionLayout
+    from specwise.tree import DraftTree
+
+    parents = torch.tensor([(i - 1) // 2 for i in range(1, num_nodes)], dtype=torch.long)
+    tree = DraftTree.build(0, torch.zeros(num_nodes - 1, dtype=torch.long), parents)
+    return AttentionLayout(tree.ancestors.to(device), (tree.depth + start).to(device))
+
+
+def measure_forward_times(target, context_ids: torch.Tensor, sizes: Sequence[int], repeats: int,
+                          tree: bool = False) -> list[float]:
     """Median seconds of one target forward over n new tokens after ``context_ids``, for each n.
 
     Args:
@@ -191,6 +205,8 @@ def measure_forward_times(target, context_ids: torch.Tensor, sizes: Sequence[int
         sizes: the n to measure (each <= L: the new tokens are taken from the context).
         repeats: timed runs per size, after one warm-up run each; the order of sizes rotates
             between rounds so slow drift of the machine is spread over all sizes.
+        tree: verify a binary draft tree of n nodes (explicit 4-D mask and positions, as tree
+            methods do) instead of a causal chain.
 
     Returns:
         ``t(n)`` per size, in the order of ``sizes``.
@@ -200,12 +216,13 @@ def measure_forward_times(target, context_ids: torch.Tensor, sizes: Sequence[int
     length = context_ids.numel()
     target.forward(context_ids, cache, num_logits=1)
     times: dict[int, list[float]] = {n: [] for n in sizes}
+    layouts = {n: binary_tree_layout(n, length, target.device) if tree else None for n in sizes}
     for round_index in range(repeats + 1):
         shift = round_index % len(sizes)
         for n in list(sizes[shift:]) + list(sizes[:shift]):
             new = context_ids[:n]
             start = clock()
-            target.forward(new, cache, num_logits=n)
+            target.forward(new, cache, num_logits=n, layout=layouts[n])
             elapsed = clock() - start
             cache.rollback(length)
             if round_index > 0:  # round 0 is the warm-up
@@ -305,6 +322,7 @@ def calibrate(
         progress(f"timing target forwards of {', '.join(map(str, sizes))} tokens after {context_length} cached, "
                  f"{repeats} repeats")
     forward_times = measure_forward_times(target, context_ids, sizes, repeats)
+    tree_times = measure_forward_times(target, context_ids, sizes, repeats, tree=True)
     step_time = forward_times[0]
     costs: dict[str, MethodCost] = {}
     for spec in methods:
@@ -319,4 +337,5 @@ def calibrate(
         machine=machine, context_length=context_length, repeats=repeats,
         step_time_s=step_time, num_tokens=sizes, forward_time_s=tuple(forward_times), methods=costs,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        tree_forward_time_s=tuple(tree_times),
     )

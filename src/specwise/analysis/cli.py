@@ -130,8 +130,12 @@ def analysis_markdown(calibration, points, notes, plots, overlay) -> str:
              f"tokens, medians of {c.repeats} runs.", "",
              "Model (ALGORITHMS.md §1.5): E(α, k) = (1 − α^(k+1)) / (1 − α) tokens per step; "
              "speedup = E / (k·c + v(k+1)), with v(n) = t(n) / t(1) and c the draft cost per token relative to t(1).",
-             "", "## Verification cost", "", "| n tokens | t(n) ms | v(n) |", "|---|---|---|"]
-    lines += [f"| {n} | {t * 1e3:.2f} | {r:.3f} |" for n, t, r in zip(c.num_tokens, c.forward_time_s, v.relative_cost)]
+             "", "## Verification cost", "",
+             "Chain: n tokens, causal mask. Tree: a binary draft tree of n nodes, explicit 4-D mask.", "",
+             "| n tokens | chain t(n) ms | v(n) | tree t(n) ms | tree / t(1) |", "|---|---|---|---|---|"]
+    trees = c.tree_forward_time_s or (float("nan"),) * len(c.num_tokens)
+    lines += [f"| {n} | {t * 1e3:.2f} | {r:.3f} | {tt * 1e3:.2f} | {tt / c.step_time_s:.3f} |"
+              for n, t, r, tt in zip(c.num_tokens, c.forward_time_s, v.relative_cost, trees)]
     lines += ["", "## Draft cost", "", "| method | K | drafted per call | propose µs | c |", "|---|---|---|---|---|"]
     lines += [f"| {m.spec} | {m.num_draft_tokens} | {m.drafted_per_call:g} | {m.propose_time_s * 1e6:.1f} | "
               f"{m.draft_cost:.3g} |" for m in c.methods.values()]
@@ -163,10 +167,13 @@ def _calibration_summary(calibration):
     table.add_column("n tokens")
     table.add_column("t(n) ms")
     table.add_column("v(n)")
-    for n, t, r in zip(calibration.num_tokens, calibration.forward_time_s, calibration.verify_cost.relative_cost):
-        table.add_row(str(n), f"{t * 1e3:.2f}", f"{r:.3f}")
+    table.add_column("tree t(n) ms")
+    trees = calibration.tree_forward_time_s or (float("nan"),) * len(calibration.num_tokens)
+    for n, t, r, tt in zip(calibration.num_tokens, calibration.forward_time_s,
+                           calibration.verify_cost.relative_cost, trees):
+        table.add_row(str(n), f"{t * 1e3:.2f}", f"{r:.3f}", f"{tt * 1e3:.2f}")
     for m in calibration.methods.values():
-        table.add_row(escape(f"c of {m.spec}"), f"{m.propose_time_s * 1e3:.3f} ms / call", f"{m.draft_cost:.3g}")
+        table.add_row(escape(f"c of {m.spec}"), f"{m.propose_time_s * 1e3:.3f} ms / call", f"{m.draft_cost:.3g}", "")
     return table
 
 

@@ -48,7 +48,8 @@ def hf_contender(target, kind: str, label: str | None = None, **options: Any) ->
 
     Args:
         kind: ``"generate"`` (plain), ``"pld"`` (prompt lookup; options ``prompt_lookup_num_tokens``,
-            ``max_matching_ngram_size``) or ``"assisted"`` (option ``assistant_model``).
+            ``max_matching_ngram_size``) or ``"assisted"`` (option ``assistant``: a draft model
+            path, or ``assistant_model``: a loaded model).
     """
     from transformers import GenerationConfig
 
@@ -60,7 +61,15 @@ def hf_contender(target, kind: str, label: str | None = None, **options: Any) ->
         lookup["prompt_lookup_num_tokens"] = int(options.get("prompt_lookup_num_tokens", 10))
         lookup["max_matching_ngram_size"] = int(options.get("max_matching_ngram_size", 2))
     elif kind == "assisted":
-        extra["assistant_model"] = options["assistant_model"]
+        assistant = options.get("assistant_model")
+        if assistant is None:
+            if "assistant" not in options:
+                raise ConfigError("hf-assisted needs an assistant draft model: hf-assisted[assistant=PATH].")
+            from specwise.loading import load_model_and_tokenizer
+
+            assistant, _, _ = load_model_and_tokenizer(str(options["assistant"]), dtype=target.dtype,
+                                                       device=target.device)
+        extra["assistant_model"] = assistant
     elif kind != "generate":
         raise ConfigError(f"unknown Hugging Face peer {kind!r}; use generate, pld or assisted.")
 
@@ -105,6 +114,17 @@ def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
                 raise ConfigError(f"malformed option {item!r} in {spec!r}; expected key=value.")
             options[key.strip()] = parse_option_value(value.strip())
     return name.strip(), options
+
+
+def hf_peer_specs(specs: list[str]) -> list[str]:
+    """The Hugging Face peers for a benchmark: plain generate, prompt lookup, and assisted generation
+    with the draft model of every ``draft[drafter=PATH]`` contender."""
+    peers = ["hf-generate", "hf-pld"]
+    for spec in specs:
+        name, options = split_spec(spec)
+        if name == "draft" and "drafter" in options:
+            peers.append(f"hf-assisted[assistant={options['drafter']}]")
+    return peers
 
 
 def parse_contender(target, spec: str) -> Contender:
