@@ -71,6 +71,8 @@ def generate(
     sampling = SamplingConfig(temperature, top_k, top_p, repetition_penalty)
     if isinstance(stop, str):
         stop = (stop,)
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ConfigError("stop strings must be non-empty strings.")
     if isinstance(drafter, (str, os.PathLike)):
         method_options["drafter"] = os.fspath(drafter)
         drafter = None

@@ -24,6 +24,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=None, help="draft tokens verified per step (K)")
     p.add_argument("--max-ngram-size", type=int, default=None, help="pld: longest n-gram to match")
     p.add_argument("--min-ngram-size", type=int, default=None, help="pld: shortest n-gram to match")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="any method option, e.g. --option window_size=3 for lookahead (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -37,10 +39,23 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def method_options(args: argparse.Namespace) -> dict:
-    """The method options given on the command line (only those the user set)."""
+    """The method options given on the command line (only those the user set).
+
+    Raises:
+        ConfigError: an ``--option`` that is not ``KEY=VALUE``.
+    """
+    from specwise.bench.contenders import parse_option_value
+    from specwise.errors import ConfigError
+
     names = {"num_draft_tokens": args.num_draft_tokens, "drafter": args.drafter,
              "max_ngram_size": args.max_ngram_size, "min_ngram_size": args.min_ngram_size}
-    return {k: v for k, v in names.items() if v is not None}
+    options = {k: v for k, v in names.items() if v is not None}
+    for item in args.option:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--option takes KEY=VALUE, got {item!r}.")
+        options[key.strip()] = parse_option_value(value.strip())
+    return options
 
 
 def _progress(message: str) -> None:
@@ -55,9 +70,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise specwise.errors.PromptError("the prompt is empty.")
     # validate cheap options before the (slower) model load
     specwise.SamplingConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
+    if args.max_new_tokens < 1:
+        raise specwise.errors.ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
+    if any(not s for s in args.stop):
+        raise specwise.errors.ConfigError("stop strings must be non-empty strings.")
     spec = specwise.METHODS.get(args.method)
     options = method_options(args)
-    spec.make_config(**options)
+    config = spec.make_config(**options)
+    if args.method == "draft" and getattr(config, "drafter", None) is None:
+        raise specwise.errors.DrafterError("method 'draft' needs a draft model: pass --drafter PATH.")
+    specwise.target.resolve_device(args.device)
     target = specwise.load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
     streamer = None
     if not args.json:
@@ -127,6 +149,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import specwise
     from specwise.bench import parse_contender, run_benchmark
     from specwise.bench.contenders import hf_peer_specs
+    from specwise.machine import machine_info
     from specwise.bench.report import markdown_report, rich_table
     from specwise.prompts import default_prompt_records, load_prompts, take_per_category
 
@@ -157,16 +180,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
             on_progress = lambda done, total: bar.update(task, completed=done)  # noqa: E731
         else:  # a log file: one line per run instead of a live bar
             on_progress = lambda done, total: print(f"bench: {done}/{total} runs", file=sys.stderr, flush=True)  # noqa: E731
+        extra = {"command": " ".join(["specwise", *sys.argv[1:]]), "machine": machine_info(target.device)}
+        if sweep:
+            extra["sweep"] = sweep.to_config()
         result = run_benchmark(target, records, contenders, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, seed=args.seed, on_progress=on_progress,
-                               extra_config={"sweep": sweep.to_config()} if sweep else None)
+                               extra_config=extra)
     from specwise.bench.plots import write_bench_plots
 
     results = result.to_dict()
     (out / "results.json").write_text(_json.dumps(results, indent=1))
     plots = write_bench_plots(results, out)
     (out / "report.md").write_text(markdown_report(result, plots))
-    for group in result.summaries:
+    for group in result.summaries if console.is_terminal else ["overall"]:  # a log gets the overall table
         console.print(rich_table(result, group))
     console.print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {', '.join(p.name for p in plots)}")
     return 0
@@ -207,9 +233,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_transformers() -> None:
+    """The CLI prints its own progress: silence transformers' load bars and advisory warnings."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _quiet_transformers()
     try:
         return args.func(args)
     except SpecwiseError as exc:

@@ -54,6 +54,7 @@ def load_model_and_tokenizer(
     cache_dir: Path | None = None,
     progress: Callable[[str], None] | None = None,
     attn_implementation: str = "sdpa",
+    role: str = "target",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """Load a target causal LM and its tokenizer.
 
@@ -71,6 +72,7 @@ def load_model_and_tokenizer(
             an interrupted conversion is never taken for a complete one.
         progress: called with one human-readable message before a slow first conversion.
         attn_implementation: passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``, ...).
+        role: what the model is, for error messages (``"target"``, ``"draft model"``).
 
     Returns:
         ``(model, tokenizer, canonical_name)``: the model in eval mode with ``requires_grad``
@@ -96,7 +98,7 @@ def load_model_and_tokenizer(
         model_dir = cache_root / "targets" / "gguf" / f"{path.stem}-{key[:16]}"
         _convert_once(lambda _tmp: path, model_dir, path.name, progress)
     else:
-        raise TargetLoadError(_unknown_target_message(name_or_path, path))
+        raise TargetLoadError(_unknown_target_message(name_or_path, path, role))
     try:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, local_files_only=True, attn_implementation=attn_implementation
@@ -104,13 +106,13 @@ def load_model_and_tokenizer(
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception as exc:  # re-raised as the user-facing error, cause chained
         raise TargetLoadError(
-            f"Could not load target {name_or_path!r} from {model_dir}: {exc}"
+            f"Could not load {role} {name_or_path!r} from {model_dir}: {exc}"
         ) from exc
     model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     return model, tokenizer, canonical
 
 
-def _unknown_target_message(name_or_path: str, path: Path) -> str:
+def _unknown_target_message(name_or_path: str, path: Path, role: str = "target") -> str:
     aliases = ", ".join(KNOWN_ALIASES)
     if not path.exists():
         what = "is neither a known alias nor an existing path"
@@ -118,7 +120,7 @@ def _unknown_target_message(name_or_path: str, path: Path) -> str:
         what = "is a directory without config.json, so not a Hugging Face model directory"
     else:
         what = "is a file but not a .gguf file"
-    return f"Target {name_or_path!r} {what} (known aliases: {aliases})."
+    return f"{role.capitalize()} {name_or_path!r} {what} (known aliases: {aliases})."
 
 
 def _gemma_3_270m_dir(cache_root: Path, progress: Callable[[str], None] | None) -> Path:

@@ -9,13 +9,13 @@ chose but has not processed yet, so the KV cache always holds ``len(committed) -
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from specwise.drafters.base import Drafter
+from specwise.machine import DeviceClock
 from specwise.sampling import SamplingConfig, prefix_token_masks, probs_from_scores, process_logits
 from specwise.target import AttentionLayout
 from specwise.tree import DraftTree
@@ -147,17 +147,6 @@ def _run_verification(target, cache, context: torch.Tensor, proposal: Proposal, 
                      int(tree.depth.max()), hidden, result.logits[n:] if aux is not None else None)
 
 
-class _Clock:
-    """Wall-clock timer that waits for the device before reading the time."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def now(self) -> float:
-        self._sync()
-        return time.perf_counter()
-
-
 class _Output:
     """The committed new tokens and the stopping rules applied to them."""
 
@@ -224,7 +213,7 @@ def speculative_generate(
         ``(new_token_ids, stop_reason, stats)``; stop_reason is ``"length"``, ``"eos"`` or
         ``"stop_string"``.
     """
-    clock = _Clock(target.device)
+    clock = DeviceClock(target.device)
     stats = SpecStats(method=drafter.method or type(drafter).__name__)
     out = _Output(target.decode, target.eos_token_ids, max_new_tokens, stop_strings)
     hidden_layers = drafter.target_hidden_layers

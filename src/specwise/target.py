@@ -205,11 +205,16 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """``None`` -> CUDA when available, else CPU.
 
     Raises:
-        ConfigError: CUDA was asked for but is not available.
+        ConfigError: an unknown device, or CUDA asked for but not available.
     """
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unknown device {device!r}; use cpu or cuda.") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r} is not supported; use cpu or cuda.")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but no CUDA device is available.")
     return device

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import platform
 import statistics
-import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,6 +24,7 @@ import torch
 
 from specwise.analysis.model import VerifyCostTable
 from specwise.errors import ConfigError
+from specwise.machine import DeviceClock, machine_info, read_json
 
 SCHEMA = "specwise.calibration/1"
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -127,37 +125,8 @@ class Calibration:
         Raises:
             ConfigError: the file is missing or not a calibration.
         """
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"no calibration file at {path}; run `specwise analyze --calibrate --out DIR` first.")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not JSON ({exc}).") from None
+        data = read_json(path, f"no calibration file at {path}; run `specwise analyze --calibrate --out DIR` first.")
         return Calibration.from_dict(data)
-
-
-def machine_info(device: torch.device) -> dict:
-    """Where the measurement ran: platform, processor, threads, torch version, GPU name, and the
-    1-minute load average when the measurement started."""
-    info = {"platform": platform.platform(), "machine": platform.machine(), "processor": _cpu_name(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version()}
-    if hasattr(os, "getloadavg"):  # other jobs on the machine inflate and scatter the timings
-        info["load_average_1min"] = round(os.getloadavg()[0], 2)
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def realistic_context(target, length: int) -> torch.Tensor:
@@ -174,15 +143,6 @@ def realistic_context(target, length: int) -> torch.Tensor:
     if ids.numel() < length:
         raise ConfigError(f"the built-in prompts hold {ids.numel()} tokens, fewer than the context length {length}.")
     return ids[:length]
-
-
-class _Clock:
-    def __init__(self, device: torch.device) -> None:
-        self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def __call__(self) -> float:
-        self._sync()
-        return time.perf_counter()
 
 
 def binary_tree_layout(num_nodes: int, start: int, device) -> "AttentionLayout":
@@ -211,7 +171,7 @@ def measure_forward_times(target, context_ids: torch.Tensor, sizes: Sequence[int
     Returns:
         ``t(n)`` per size, in the order of ``sizes``.
     """
-    clock = _Clock(target.device)
+    clock = DeviceClock(target.device)
     cache = target.new_cache()
     length = context_ids.numel()
     target.forward(context_ids, cache, num_logits=1)
@@ -221,9 +181,9 @@ def measure_forward_times(target, context_ids: torch.Tensor, sizes: Sequence[int
         shift = round_index % len(sizes)
         for n in list(sizes[shift:]) + list(sizes[:shift]):
             new = context_ids[:n]
-            start = clock()
+            start = clock.now()
             target.forward(new, cache, num_logits=n, layout=layouts[n])
-            elapsed = clock() - start
+            elapsed = clock.now() - start
             cache.rollback(length)
             if round_index > 0:  # round 0 is the warm-up
                 times[n].append(elapsed)
@@ -257,7 +217,7 @@ def measure_draft_cost(target, spec: str, context_ids: torch.Tensor, repeats: in
         raise ConfigError(f"the speedup model covers chain drafters with a num_draft_tokens option; "
                           f"method {name!r} has none.")
     drafter = method.factory(target, config)
-    clock = _Clock(target.device)
+    clock = DeviceClock(target.device)
     sampling = SamplingConfig()
     cache_length = context_ids.numel() - 1  # the last token is the root, not yet in the target's cache
     drafter.reset()
@@ -265,9 +225,9 @@ def measure_draft_cost(target, spec: str, context_ids: torch.Tensor, repeats: in
     counts: list[int] = []
     times: list[float] = []
     for index in range(repeats + 1):
-        start = clock()
+        start = clock.now()
         proposal = drafter.propose(DraftContext(context_ids, k, sampling, None, cache_length))
-        elapsed = clock() - start
+        elapsed = clock.now() - start
         drafted = min(int(proposal.tokens.numel()), k)
         drafter.observe(StepFeedback(context_ids, drafted, 0, cache_length))
         if index > 0:

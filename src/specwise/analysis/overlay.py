@@ -15,7 +15,6 @@ Per contender that drafts a chain (not ``ar``, not an ``hf-*`` peer, a method wi
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from specwise.analysis.calibrate import Calibration, MethodCost
 from specwise.analysis.model import expected_tokens_per_step, speedup
 from specwise.bench.runner import BASELINE
 from specwise.errors import ConfigError
+from specwise.machine import read_json
 
 
 @dataclass(frozen=True)
@@ -64,13 +64,7 @@ def load_results(path: str | Path) -> dict:
     Raises:
         ConfigError: missing file, not JSON, or not a specwise bench result.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"no bench results at {path}; run `specwise bench --out DIR` and pass DIR/results.json.")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not JSON ({exc}).") from None
+    data = read_json(path, f"no bench results at {path}; run `specwise bench --out DIR` and pass DIR/results.json.")
     if not str(data.get("schema", "")).startswith("specwise.bench/"):
         raise ConfigError(f"{path} is not a specwise bench result (schema {data.get('schema')!r}).")
     return data

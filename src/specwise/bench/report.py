@@ -16,7 +16,7 @@ COLUMNS = ("contender", "prompts", "tok/s (median)", "speedup vs ar", "τ", "acc
 
 def _cells(s: Summary) -> list[str]:
     fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
-    positions = " ".join(f"{a:.2f}" for a in s.acceptance_by_position[:8]) or "-"
+    positions = " ".join(f"{a:.2f}" for a in s.acceptance_by_position[:10]) or "-"
     times = "-" if s.draft_time_s is None else f"{s.draft_time_s:.2f} / {s.verify_time_s:.2f} / {s.other_time_s:.2f}"
     agree = "-" if s.exact_matches is None else f"{s.exact_matches}/{s.prompts} ({s.near_tie_divergences} / {s.other_divergences})"
     return [s.contender, str(s.prompts), fmt(s.median_tokens_per_second, ".1f"),
@@ -45,6 +45,13 @@ def markdown_report(result: BenchResult, plots: Sequence[str | Path] = ()) -> st
              f"after a warm-up. Speedup = median over prompts of tokens/s ÷ `ar` tokens/s on the same prompt. "
              f"τ = new tokens per target forward (prefill included). A divergence from `ar` is a near-tie when "
              f"the target's logits of the two tokens differ by ≤ {c['tie_margin']}.", ""]
+    if "command" in c:
+        lines += ["Command: `" + c["command"] + "`", ""]
+    if "machine" in c:
+        m = c["machine"]
+        lines += [f"Machine: {m.get('processor', '?')}, {m.get('cpu_count', '?')} CPUs, {m.get('torch_threads', '?')} "
+                  f"torch threads, torch {m.get('torch', '?')}, load average {m.get('load_average_1min', '?')} at the start.",
+                  ""]
     for group in ["overall"] + sorted(k for k in result.summaries if k != "overall"):
         lines += [f"## {group}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         lines += ["| " + " | ".join(_cells(s)) + " |" for s in result.summaries[group]]

@@ -142,20 +142,29 @@ def _record(contender: Contender, prompt: PromptRecord, outcome) -> RunRecord:
 
 
 @torch.inference_mode()
+def first_divergence(target, prompt_ids: torch.Tensor, reference: list[int], tokens: list[int]) -> tuple[int, float] | None:
+    """Where ``tokens`` first differs from ``reference`` (both continuations of ``prompt_ids``).
+
+    Returns:
+        ``None`` when one is a prefix of the other (a length difference alone, EOS against the
+        limit, is no divergence); else ``(index, gap)`` with ``gap`` the absolute difference of the
+        target's logits of the two tokens at that point (a near-tie when small: in bf16 batched
+        verification rounds differently from one-token decoding).
+    """
+    index = next((i for i in range(min(len(reference), len(tokens))) if reference[i] != tokens[i]), None)
+    if index is None:
+        return None
+    context = torch.cat([prompt_ids, torch.tensor(reference[:index], dtype=torch.long, device=prompt_ids.device)])
+    logits = target.forward(context, target.new_cache(), num_logits=1).logits[-1].float()
+    return index, float((logits[reference[index]] - logits[tokens[index]]).abs())
+
+
 def _compare(target, prompt_ids: torch.Tensor, baseline: RunRecord, record: RunRecord) -> None:
     """Fill the agreement fields of ``record`` against the ``ar`` run on the same prompt."""
-    a, b = baseline.token_ids, record.token_ids
-    common = min(len(a), len(b))
-    index = next((i for i in range(common) if a[i] != b[i]), None)
-    if index is None:
-        # equal up to the shorter one; a length difference alone (EOS vs limit) is not a divergence
-        record.matches_baseline = True
-        return
-    record.matches_baseline = False
-    record.divergence_index = index
-    context = torch.cat([prompt_ids, torch.tensor(a[:index], dtype=torch.long, device=prompt_ids.device)])
-    logits = target.forward(context, target.new_cache(), num_logits=1).logits[-1].float()
-    record.divergence_logit_gap = float((logits[a[index]] - logits[b[index]]).abs())
+    divergence = first_divergence(target, prompt_ids, baseline.token_ids, record.token_ids)
+    record.matches_baseline = divergence is None
+    if divergence is not None:
+        record.divergence_index, record.divergence_logit_gap = divergence
 
 
 def _median(values: list[float]) -> float | None:

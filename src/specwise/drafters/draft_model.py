@@ -71,7 +71,7 @@ class DraftModelDrafter(Drafter):
             from specwise.loading import load_model_and_tokenizer
 
             draft_model, draft_tokenizer, name = load_model_and_tokenizer(
-                config.drafter, dtype=target.dtype, device=target.device
+                config.drafter, dtype=target.dtype, device=target.device, role="draft model"
             )
             check_same_vocabulary(target, draft_model, draft_tokenizer, f"draft model {name}")
         else:

@@ -33,9 +33,9 @@ from specwise.types import AuxiliaryTokens, DraftContext, Proposal, StepFeedback
 class LookaheadConfig(MethodConfig):
     """Options of ``lookahead`` (defaults tuned for Gemma-3-270M on a 2-core CPU; README)."""
 
-    window_size: int = 4  # W: Jacobi guesses per level (look-ahead distance)
-    ngram_size: int = 4  # N: n-gram length; the window keeps N - 1 levels
-    max_candidates: int = 6  # G: pool n-grams verified per step, and kept per key
+    window_size: int = 2  # W: Jacobi guesses per level (look-ahead distance)
+    ngram_size: int = 3  # N: n-gram length; the window keeps N - 1 levels
+    max_candidates: int = 4  # G: pool n-grams verified per step, and kept per key
     pool_from_prompt: bool = True  # seed the pool with the prompt's n-grams
     pool_from_output: bool = True  # add the committed output's n-grams as they appear
     context_match_tokens: int = 8  # also verify the continuation of the longest recent context match (0 = off)

@@ -1,0 +1,66 @@
+"""Measuring: where a measurement ran (recorded beside every benchmark and calibration), a clock,
+and reading measurement files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+
+def machine_info(device: torch.device) -> dict:
+    """Where the measurement ran: platform, processor, threads, torch version, GPU name, and the
+    1-minute load average when the measurement started."""
+    info = {"platform": platform.platform(), "machine": platform.machine(), "processor": _cpu_name(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version()}
+    if hasattr(os, "getloadavg"):  # other jobs on the machine inflate and scatter the timings
+        info["load_average_1min"] = round(os.getloadavg()[0], 2)
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def read_json(path, missing: str) -> dict:
+    """Read a JSON object from ``path``.
+
+    Args:
+        missing: the sentence to raise when the file does not exist (say what to run to make it).
+
+    Raises:
+        ConfigError: the file is missing or not JSON.
+    """
+    from specwise.errors import ConfigError
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(missing)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not JSON ({exc}).") from None
+
+
+class DeviceClock:
+    """Wall-clock seconds that first wait for the device's queued work (CUDA), so timings are real."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def now(self) -> float:
+        self._sync()
+        return time.perf_counter()
