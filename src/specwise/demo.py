@@ -25,7 +25,7 @@ def run_demo(target_name: str, max_new_tokens: int, device, progress) -> int:
         specwise.generate(target, records[0].prompt, drafter=drafter, max_new_tokens=16)
     speeds: dict[str, list[float]] = {m: [] for m in drafters}
     table = Table(title=f"{target.name}, bf16, greedy, {max_new_tokens} new tokens")
-    for col in ("prompt", "method", "τ", "accept rate", "tok/s", "same tokens as ar"):
+    for col in ("prompt", "method", "τ", "accept rate", "tok/s", "same as ar"):
         table.add_column(col, no_wrap=col == "prompt")
     for record in records:
         results = {m: specwise.generate(target, record.prompt, drafter=d, max_new_tokens=max_new_tokens)
@@ -38,13 +38,13 @@ def run_demo(target_name: str, max_new_tokens: int, device, progress) -> int:
         for m, r in results.items():
             speeds[m].append(r.stats.tokens_per_second)
             same = "-" if m == "ar" else _agreement(target, prompt_ids, results["ar"].token_ids, r.token_ids)
-            table.add_row(record.id, m, f"{r.stats.mean_accepted_length:.2f}", f"{r.stats.acceptance_rate:.2f}",
+            table.add_row(record.id.removeprefix("builtin/"), m, f"{r.stats.mean_accepted_length:.2f}", f"{r.stats.acceptance_rate:.2f}",
                           f"{r.stats.tokens_per_second:.1f}", same)
     console.print(table)
     console.print("Greedy speculative decoding returns the target's own greedy tokens. In bf16 a verification "
                   "forward over several tokens rounds differently from a one-token step, so where the target's top "
-                  "two logits nearly tie the two runs can pick different tokens (a near-tie, reported with its "
-                  "logit gap); in float32 they agree token for token (tested).")
+                  "two logits nearly tie the two runs can pick different tokens (a near-tie @ token index, with "
+                  "the logit gap); in float32 they agree token for token (tested).")
     medians = {m: statistics.median(v) for m, v in speeds.items()}
     console.print("median tokens/s: " + ", ".join(f"{m} {v:.1f}" for m, v in medians.items()) + "; speedup over ar: "
                   + ", ".join(f"{m} {v / medians['ar']:.2f}x" for m, v in medians.items() if m != "ar"))
@@ -58,4 +58,4 @@ def _agreement(target, prompt_ids, reference: list[int], tokens: list[int]) -> s
         return "yes"
     index, gap = divergence
     kind = "near-tie" if gap <= TIE_MARGIN else "DIVERGED"
-    return f"{kind} at token {index} (logit gap {gap:.2f})"
+    return f"{kind} @{index}, gap {gap:.2f}"
