@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 import specwise
 from conftest import (ARCHS, assert_distribution, check_tree_loop_records, make_target, random_prompt,

@@ -25,6 +25,8 @@ import torch
 from specwise.analysis.model import VerifyCostTable
 from specwise.errors import ConfigError
 from specwise.machine import DeviceClock, machine_info, read_json
+from specwise.target import AttentionLayout
+from specwise.tree import DraftTree
 
 SCHEMA = "specwise.calibration/1"
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -145,11 +147,9 @@ def realistic_context(target, length: int) -> torch.Tensor:
     return ids[:length]
 
 
-def binary_tree_layout(num_nodes: int, start: int, device) -> "AttentionLayout":
-    """The layout of a complete binary draft tree of ``num_nodes`` nodes (node i's parent is (i-1)//2)."""
-    from specwise.target import AttentionLayout
-    from specwise.tree import DraftTree
-
+def binary_tree_layout(num_nodes: int, start: int, device) -> AttentionLayout:
+    """The layout of a complete binary draft tree of ``num_nodes`` nodes (node i's parent is (i-1)//2),
+    its root at position ``start``."""
     parents = torch.tensor([(i - 1) // 2 for i in range(1, num_nodes)], dtype=torch.long)
     tree = DraftTree.build(0, torch.zeros(num_nodes - 1, dtype=torch.long), parents)
     return AttentionLayout(tree.ancestors.to(device), (tree.depth + start).to(device))
