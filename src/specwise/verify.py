@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from specwise.sampling import sample_token
+
 _RESIDUAL_EPS = 1e-12
 
 
@@ -28,11 +30,6 @@ def greedy_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tu
     matches = (draft_tokens == target_tokens[:k]).to(torch.int64)
     num_accepted = int(matches.cumprod(0).sum()) if k else 0
     return num_accepted, int(target_tokens[num_accepted])
-
-
-def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from a ``[V]`` probability vector."""
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def residual_distribution(
@@ -88,7 +85,7 @@ def speculative_sample(
     """
     k = draft_tokens.numel()
     if k == 0:
-        return 0, _sample(target_probs[0], generator)
+        return 0, sample_token(target_probs[0], generator)
     rows = torch.arange(k, device=draft_tokens.device)
     p_of_draft = target_probs[rows, draft_tokens]  # shape: [K]
     if draft_probs is None:
@@ -100,13 +97,13 @@ def speculative_sample(
     accepted = (uniforms < ratio).to(torch.int64)
     num_accepted = int(accepted.cumprod(0).sum())
     if num_accepted == k:
-        return k, _sample(target_probs[k], generator)
+        return k, sample_token(target_probs[k], generator)
     residual = residual_distribution(
         target_probs[num_accepted],
         None if draft_probs is None else draft_probs[num_accepted],
         int(draft_tokens[num_accepted]),
     )
-    return num_accepted, _sample(residual, generator)
+    return num_accepted, sample_token(residual, generator)
 
 
 def greedy_tree_accept(
@@ -195,6 +192,6 @@ def tree_speculative_sample(
                 break
             residual = residual_distribution(residual, q, token)
         if accepted < 0:
-            return path, _sample(residual, generator)
+            return path, sample_token(residual, generator)
         path.append(accepted)
         node = accepted

@@ -15,7 +15,7 @@ import torch
 from specwise.cache import KVCache
 from specwise.drafters.base import Drafter, DraftingConfig, register_drafter
 from specwise.errors import DrafterError
-from specwise.sampling import prefix_token_masks, probs_from_scores, process_logits
+from specwise.sampling import prefix_token_masks, probs_from_scores, process_logits, sample_token
 from specwise.types import DraftContext, Proposal, StepFeedback
 
 
@@ -105,7 +105,7 @@ class DraftModelDrafter(Drafter):
                 token = scores[0].argmax()
             else:
                 row = probs_from_scores(scores)[0]  # shape: [V]
-                token = torch.multinomial(row, 1, generator=ctx.generator)[0]
+                token = torch.tensor(sample_token(row, ctx.generator), device=row.device)
                 probs.append(row)
             drafts.append(token)
             feed = token[None]
