@@ -140,7 +140,6 @@ def split_specs(text: str) -> list[str]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import json as _json
     from pathlib import Path
 
     from rich.console import Console
@@ -189,7 +188,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specwise.bench.plots import write_bench_plots
 
     results = result.to_dict()
-    (out / "results.json").write_text(_json.dumps(results, indent=1))
+    (out / "results.json").write_text(json.dumps(results, indent=1))
     plots = write_bench_plots(results, out)
     (out / "report.md").write_text(markdown_report(result, plots))
     for group in result.summaries if console.is_terminal else ["overall"]:  # a log gets the overall table
