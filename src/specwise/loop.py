@@ -218,8 +218,9 @@ def speculative_generate(
     out = _Output(target.decode, target.eos_token_ids, max_new_tokens, stop_strings)
     hidden_layers = drafter.target_hidden_layers
     prompt_length = prompt_ids.numel()
-    # committed tokens; room for a whole last step past max_new_tokens (cut later by _Output)
-    committed = torch.empty(prompt_length + 2 * max_new_tokens + 1, dtype=torch.long, device=prompt_ids.device)
+    # committed tokens: a step emits at most budget + 1 tokens (chains are cut and trees pruned to the
+    # budget), so prompt + max_new_tokens always suffices
+    committed = torch.empty(prompt_length + max_new_tokens, dtype=torch.long, device=prompt_ids.device)
     committed[:prompt_length] = prompt_ids
     length = prompt_length
     cache = target.new_cache()

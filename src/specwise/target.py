@@ -6,8 +6,6 @@ It owns nothing but the model and tokenizer; KV caches are created per generatio
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,15 +61,6 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
-
-    def fingerprint(self) -> str:
-        """A short hash of the model config and the vocabulary, to match drafters to targets."""
-        text_config = self.model.config.get_text_config().to_dict()
-        keep = {k: text_config.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers",
-                                                 "vocab_size", "intermediate_size")}
-        vocab = sorted(self.tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-        digest = hashlib.sha256(json.dumps([keep, vocab]).encode())
-        return digest.hexdigest()[:16]
 
     def new_cache(self) -> KVCache:
         """An empty KV cache for one generation."""
