@@ -50,7 +50,22 @@ def _draft_model(target):
     return DraftModelDrafter(target, DraftModelConfig(num_draft_tokens=2), draft_model=make_model("llama", 1, V))
 
 
+def _draft_lm(target):
+    """A trained-draft-route drafter over a reduced vocabulary (6 of the 8 tokens), perturbed so q != p."""
+    from specwise.models.draft_lm import DraftLM, DraftLMConfig
+
+    vocab = torch.tensor([4, 3, 5, 6, 0, 2])  # tokens 1 and 7 can only come from the target
+    model = DraftLM(target, DraftLMConfig(init_layers=(1,), draft_vocab_size=6), vocab).double()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(3), dtype=param.dtype))
+    return DraftModelDrafter(target, DraftModelConfig(num_draft_tokens=2, confidence_threshold=0.0),
+                             draft_model=model.eval().requires_grad_(False))
+
+
 CONFIGS = {
+    "draft-lm-reduced-vocab-t0.9": (_draft_lm, 3, dict(temperature=0.9)),
+    "draft-lm-reduced-vocab-topk-penalty": (_draft_lm, 3, dict(temperature=1.0, top_k=5, repetition_penalty=1.3)),
     # name: (drafter factory or method name, max_new_tokens, sampling options)
     "draft-t0.8": (_draft_model, 3, dict(temperature=0.8)),
     "draft-two-drafts-t1.0": (_draft_model, 4, dict(temperature=1.0)),

@@ -229,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_analyze_args(analyze, default_target=DEFAULT_TARGET)
     analyze.set_defaults(func=cmd_analyze)
+    from specwise.training.cli import add_data_args, add_export_args, add_train_args
+
+    add_data_args(sub.add_parser("data", help="build training corpora for drafters"), DEFAULT_TARGET)
+    add_train_args(sub.add_parser("train", help="train a drafter for a target (self-distillation)"), DEFAULT_TARGET)
+    add_export_args(sub.add_parser("export-hf", help="write a draft LM as a plain Hugging Face causal LM"),
+                    DEFAULT_TARGET)
     return parser
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from importlib.resources import files
@@ -87,3 +88,17 @@ def default_prompt_records(humaneval: int = 3) -> list[PromptRecord]:
     """The benchmark prompts used when none are given: the built-in set (a few prompts per
     category, written by the team) followed by the first ``humaneval`` HumanEval problems."""
     return load_prompts([builtin_prompt_file()]) + humaneval_prompt_records(humaneval)
+
+
+#: one prompt id in this many belongs to the evaluation split
+HELD_OUT_EVERY = 10
+
+
+def is_held_out(record: PromptRecord) -> bool:
+    """True for prompts in the evaluation split: never used to train drafters, used by benchmarks.
+
+    The split is a fixed hash of the prompt id (about 1 in :data:`HELD_OUT_EVERY`), so it does
+    not depend on file order or on which files are loaded together.
+    """
+    digest = hashlib.sha256(record.id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:4], "big") % HELD_OUT_EVERY == 0

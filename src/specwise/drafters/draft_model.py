@@ -1,20 +1,34 @@
 """``draft``: a small causal LM drafts K tokens autoregressively (Leviathan et al. 2023; Chen et al. 2023).
 
-The draft model must share the target's vocabulary. Under sampling it draws from its own processed
-distribution (the same temperature / top-k / top-p / penalty pipeline as the target, on its own
-prefix) and returns those probabilities, so verification is the exact ratio test with residual
-resampling. Under greedy decoding it drafts its argmax and returns no probabilities.
+The draft model is either
+
+* a specwise draft LM checkpoint (:class:`specwise.models.draft_lm.DraftLM`, trained with
+  ``specwise train draft``): a few decoder layers over the target's borrowed embeddings, predicting
+  a reduced draft vocabulary. For ``gemma-3-270m`` one ships with specwise and is the default; or
+* any HF causal LM sharing the target's tokenizer (a directory or ``.gguf``).
+
+Under sampling it draws from its own processed distribution (the same temperature / top-k / top-p /
+penalty pipeline as the target, on its own prefix and over its own vocabulary) and returns those
+probabilities scattered over the target's vocabulary (zero outside the draft vocabulary), so
+verification is the exact ratio test with residual resampling. Under greedy decoding it drafts its
+argmax and returns no probabilities.
+
+``confidence_threshold`` ends a step's chain early when the draft's top probability falls below it
+(dynamic draft length, as in HF assisted generation's ``assistant_confidence_threshold``): low
+confidence predicts a rejection, and a draft token that will be rejected costs a draft step and a
+verified row for nothing. It changes which tokens are proposed, never the output distribution.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from specwise.cache import KVCache
 from specwise.drafters.base import Drafter, DraftingConfig, register_drafter
-from specwise.errors import DrafterError
+from specwise.errors import ConfigError, DrafterError
 from specwise.sampling import prefix_token_masks, probs_from_scores, process_logits, sample_token
 from specwise.types import DraftContext, Proposal, StepFeedback
 
@@ -23,8 +37,14 @@ from specwise.types import DraftContext, Proposal, StepFeedback
 class DraftModelConfig(DraftingConfig):
     """Options of ``draft``."""
 
-    num_draft_tokens: int = 5  # tokens drafted per step (K)
-    drafter: str | None = None  # path of the draft model (HF directory or .gguf)
+    num_draft_tokens: int = 6  # most tokens drafted per step (K)
+    drafter: str | None = None  # draft model path (specwise checkpoint, HF directory or .gguf); None = shipped
+    confidence_threshold: float = 0.3  # stop the chain when the draft's top probability is below this; 0 = off
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.confidence_threshold < 1.0:
+            raise ConfigError(f"confidence_threshold must be in [0, 1), got {self.confidence_threshold}.")
 
 
 def check_same_vocabulary(target, draft_model, draft_tokenizer=None, draft_name: str = "the draft model") -> None:
@@ -46,6 +66,63 @@ def check_same_vocabulary(target, draft_model, draft_tokenizer=None, draft_name:
         )
 
 
+class _HFDraft:
+    """An HF causal LM as a draft: logits over the full vocabulary (``vocab`` is None)."""
+
+    vocab = None
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def next_logits(self, feed: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        # shape: feed [n] -> [V]
+        return self.model(input_ids=feed[None], cache=cache.hf_cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+
+
+class _DraftLMStep:
+    """A :class:`DraftLM` as a draft: logits over its draft vocabulary (``vocab`` maps them to target ids)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.vocab = model.vocab  # shape: [Vd]
+
+    def next_logits(self, feed: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        # shape: feed [n] -> [Vd]
+        hidden = self.model.hidden(feed[None], cache=cache.hf_cache)[0, -1]
+        return self.model._borrowed.head @ hidden
+
+
+def shipped_drafter(target, method: str) -> Path | None:
+    """The drafter of ``method`` that ships with specwise for ``target`` (by name), if any."""
+    from importlib.resources import files
+
+    path = Path(str(files("specwise").joinpath(f"data/drafters/{target.name}/{method}")))
+    return path if (path / "config.json").is_file() else None
+
+
+def load_draft_lm(path, target):
+    """Load a specwise draft-LM checkpoint for ``target`` (in the target's dtype and device).
+
+    Raises:
+        DrafterError: not a draft-LM checkpoint, trained for another target, or bad weights.
+    """
+    from specwise.checkpoint import load_checkpoint
+    from specwise.models.draft_lm import DraftLM, DraftLMConfig
+
+    ckpt = load_checkpoint(path, target, method="draft")
+    arch = ckpt.architecture
+    config = DraftLMConfig(init_layers=tuple(arch["init_layers"]), draft_vocab_size=int(arch["draft_vocab_size"]))
+    if "draft_vocab" not in ckpt.tensors:
+        raise DrafterError(f"the drafter in {path} has no draft vocabulary table.")
+    model = DraftLM(target, config, ckpt.tensors["draft_vocab"].long(), init_from_target=False)
+    weights = {k[len("decoder."):]: v for k, v in ckpt.tensors.items() if k.startswith("decoder.")}
+    missing, unexpected = model.decoder.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise DrafterError(f"the weights in {path} do not fit the draft LM (missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}).")
+    return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+
+
 @register_drafter("draft", DraftModelConfig, "a small draft LM with the target's tokenizer (speculative sampling)")
 class DraftModelDrafter(Drafter):
     """Speculative sampling with a separate draft LM.
@@ -53,30 +130,46 @@ class DraftModelDrafter(Drafter):
     Args:
         target: the :class:`specwise.target.Target`.
         config: :class:`DraftModelConfig`; ``config.drafter`` names the model to load unless
-            ``draft_model`` is given.
-        draft_model: an already loaded HF causal LM (on the target's device) to use instead.
+            ``draft_model`` is given; without either, the drafter shipped for the target is used.
+        draft_model: an already loaded HF causal LM or :class:`DraftLM` (on the target's device).
 
     Raises:
-        DrafterError: no draft model was given, or its vocabulary differs from the target's.
+        DrafterError: no draft model was given and none ships for the target, the checkpoint was
+            trained for another target, or the vocabulary differs from the target's.
     """
 
     def __init__(self, target, config: DraftModelConfig, draft_model=None) -> None:
+        from specwise.checkpoint import is_checkpoint
+        from specwise.models.draft_lm import DraftLM
+
         self.config = config
         self.vocab_size = target.vocab_size
         if draft_model is None:
-            if config.drafter is None:
+            path = config.drafter or shipped_drafter(target, "draft")
+            if path is None:
                 raise DrafterError(
-                    f"method 'draft' needs a draft model for target {target.name}: pass --drafter PATH."
+                    f"method 'draft' needs a draft model for target {target.name}: pass --drafter PATH "
+                    f"(train one with `specwise train draft`)."
                 )
-            from specwise.loading import load_model_and_tokenizer
+            if is_checkpoint(path):
+                draft_model = load_draft_lm(path, target)
+            else:
+                from specwise.loading import load_model_and_tokenizer
 
-            draft_model, draft_tokenizer, name = load_model_and_tokenizer(
-                config.drafter, dtype=target.dtype, device=target.device, role="draft model"
-            )
-            check_same_vocabulary(target, draft_model, draft_tokenizer, f"draft model {name}")
-        else:
+                draft_model, draft_tokenizer, name = load_model_and_tokenizer(
+                    str(path), dtype=target.dtype, device=target.device, role="draft model"
+                )
+                check_same_vocabulary(target, draft_model, draft_tokenizer, f"draft model {name}")
+        elif not isinstance(draft_model, DraftLM):
             check_same_vocabulary(target, draft_model)
+        weight = next(draft_model.parameters())
+        if weight.dtype != target.dtype or weight.device != target.device:
+            raise DrafterError(
+                f"the draft model is {weight.dtype} on {weight.device} but the target {target.name} is "
+                f"{target.dtype} on {target.device}; move it with .to(dtype=..., device=...) first."
+            )
         self.model = draft_model
+        self.step = _DraftLMStep(draft_model) if isinstance(draft_model, DraftLM) else _HFDraft(draft_model)
         self.cache = KVCache()
 
     def reset(self) -> None:
@@ -89,26 +182,33 @@ class DraftModelDrafter(Drafter):
         if budget <= 0:
             return Proposal.empty(ids.device)
         sampling = ctx.sampling
+        vocab = self.step.vocab  # None: the draft predicts the target's whole vocabulary
         feed = ids[self.cache.length:]  # committed tokens the draft has not seen (the root at least)
         drafts: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for _ in range(budget):
-            logits = self.model(
-                input_ids=feed[None], cache=self.cache.hf_cache, use_cache=True, logits_to_keep=1
-            ).logits[0]  # shape: [1, V]
+            logits = self.step.next_logits(feed, self.cache)[None]  # shape: [1, V or Vd]
             seen = None
             if sampling.uses_history:
                 chain = torch.stack(drafts) if drafts else ids.new_empty(0)
                 seen = prefix_token_masks(torch.cat([ids, chain]), ids.new_empty(0), self.vocab_size)
+                seen = seen if vocab is None else seen[:, vocab]
             scores = process_logits(logits, sampling, seen)
             if sampling.is_greedy:
-                token = scores[0].argmax()
+                index = scores[0].argmax()
+                confidence = torch.softmax(logits[0].float(), dim=-1)[index] if self.config.confidence_threshold else None
             else:
-                row = probs_from_scores(scores)[0]  # shape: [V]
-                token = torch.tensor(sample_token(row, ctx.generator), device=row.device)
+                row = probs_from_scores(scores)[0]  # shape: [V or Vd]
+                index = torch.tensor(sample_token(row, ctx.generator), device=row.device)
+                confidence = row.max() if self.config.confidence_threshold else None
+                if vocab is not None:
+                    row = row.new_zeros(self.vocab_size).index_copy_(0, vocab, row)
                 probs.append(row)
+            token = index if vocab is None else vocab[index]
             drafts.append(token)
             feed = token[None]
+            if confidence is not None and float(confidence) < self.config.confidence_threshold:
+                break
         tokens = torch.stack(drafts)
         return Proposal(tokens, torch.stack(probs) if probs else None)
 

@@ -1,0 +1,182 @@
+"""Drafter checkpoints: a directory with ``config.json`` and ``model.safetensors`` (ARCHITECTURE.md §6).
+
+``config.json`` records the method, the architecture, the target the drafter was trained for (its
+name and a fingerprint of its config and vocabulary), the recipe and the measured results;
+``model.safetensors`` holds the drafter's own weights in bf16 plus integer tables (the draft
+vocabulary). Weights borrowed from the target (embeddings, LM head rows) are never stored.
+
+Loading checks the fingerprint first: a drafter trained for another target is refused with an
+error naming both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specwise.errors import DrafterError
+
+FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+_FINGERPRINT_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "intermediate_size", "vocab_size", "head_dim")
+
+
+def target_fingerprint(target) -> str:
+    """A short hash of the target's architecture and tokenizer vocabulary.
+
+    Two targets with the same fingerprint have the same shapes and map text to the same token ids,
+    so a drafter trained for one runs on the other. Weights are not hashed (a fine-tuned target
+    keeps its drafter; acceptance says how well it still fits).
+
+    Returns:
+        16 hex characters.
+    """
+    config = target.model.config.get_text_config()
+    shape = {key: getattr(config, key, None) for key in _FINGERPRINT_KEYS}
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
+    digest.update(str(target.vocab_size).encode())
+    vocab = target.tokenizer.get_vocab()
+    for token, index in sorted(vocab.items(), key=lambda item: item[1]):
+        digest.update(f"{index}\t{token}\n".encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()[:16]
+
+
+@dataclass
+class DrafterCheckpoint:
+    """A drafter checkpoint in memory.
+
+    Attributes:
+        method: the registry name of the drafting method (``"draft"``, ``"medusa"``, ...).
+        architecture: hyper-parameters the method's model is rebuilt from.
+        target_name: the name of the target it was trained for.
+        target_fingerprint: :func:`target_fingerprint` of that target.
+        tensors: weights (floating point ones are stored as bf16) and integer tables.
+        recipe: how it was trained (data, steps, minutes, optimizer settings).
+        metrics: what was measured (τ, acceptance by position, ...).
+    """
+
+    method: str
+    architecture: dict[str, Any]
+    target_name: str
+    target_fingerprint: str
+    tensors: dict[str, torch.Tensor]
+    recipe: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def config_dict(self) -> dict[str, Any]:
+        return {"specwise_drafter_format": FORMAT_VERSION, "method": self.method,
+                "architecture": self.architecture,
+                "target": {"name": self.target_name, "fingerprint": self.target_fingerprint},
+                "recipe": self.recipe, "metrics": self.metrics}
+
+
+def save_checkpoint(checkpoint: DrafterCheckpoint, path: str | Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (floating point tensors cast to bf16).
+
+    Returns:
+        the directory.
+    """
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: (t.detach().to(torch.bfloat16) if t.is_floating_point() else t.detach()).cpu().contiguous()
+               for name, t in checkpoint.tensors.items()}
+    save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    (out / CONFIG_NAME).write_text(json.dumps(checkpoint.config_dict(), indent=2) + "\n")
+    return out
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """True when ``path`` is a specwise drafter directory (not, e.g., a plain HF model)."""
+    config = Path(path) / CONFIG_NAME
+    if not config.is_file():
+        return False
+    try:
+        return "specwise_drafter_format" in json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a drafter directory.
+
+    Raises:
+        DrafterError: the directory or its config is missing or unreadable.
+    """
+    config_path = Path(path) / CONFIG_NAME
+    if not config_path.is_file():
+        raise DrafterError(f"{path} is not a specwise drafter: {CONFIG_NAME} is missing.")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DrafterError(f"{config_path} is not valid JSON ({exc}).") from None
+    if config.get("specwise_drafter_format") != FORMAT_VERSION:
+        raise DrafterError(f"{path} is not a specwise drafter of format {FORMAT_VERSION}.")
+    return config
+
+
+def load_checkpoint(path: str | Path, target, method: str | None = None) -> DrafterCheckpoint:
+    """Read a drafter directory made for ``target``.
+
+    Args:
+        path: the drafter directory.
+        target: the :class:`specwise.target.Target` it will run on.
+        method: when given, the method the caller expects.
+
+    Returns:
+        the checkpoint, tensors on CPU as stored.
+
+    Raises:
+        DrafterError: missing files, another method, or a drafter trained for another target (the
+            message names both targets).
+    """
+    config = read_config(path)
+    if method is not None and config.get("method") != method:
+        raise DrafterError(f"{path} holds a {config.get('method')!r} drafter, not a {method!r} one.")
+    trained_for = config.get("target", {})
+    mine = target_fingerprint(target)
+    if trained_for.get("fingerprint") != mine:
+        raise DrafterError(
+            f"the drafter in {path} was trained for target {trained_for.get('name')!r} "
+            f"(fingerprint {trained_for.get('fingerprint')}), but the target is {target.name!r} "
+            f"(fingerprint {mine}); train one for this target with `specwise train`."
+        )
+    weights = Path(path) / WEIGHTS_NAME
+    if not weights.is_file():
+        raise DrafterError(f"the drafter in {path} has no weights ({WEIGHTS_NAME} is missing).")
+    try:
+        tensors = load_file(str(weights))
+    except Exception as exc:  # safetensors raises several types for a damaged file
+        raise DrafterError(f"cannot read {weights} ({exc}).") from None
+    return DrafterCheckpoint(config["method"], config.get("architecture", {}), trained_for.get("name", ""),
+                             trained_for.get("fingerprint", ""), tensors, config.get("recipe", {}),
+                             config.get("metrics", {}))
+
+
+def load_drafter(path: str | Path, target, **options):
+    """Build the drafter stored in ``path`` for ``target``.
+
+    Args:
+        path: a drafter directory (``config.json`` + ``model.safetensors``).
+        target: the :class:`specwise.target.Target`.
+        **options: the method's options (e.g. ``num_draft_tokens``).
+
+    Returns:
+        a :class:`specwise.drafters.base.Drafter`.
+
+    Raises:
+        DrafterError: not a drafter, missing weights, or trained for another target.
+        ConfigError: an option the method does not take.
+    """
+    from specwise.drafters import METHODS
+
+    config = read_config(path)
+    spec = METHODS.get(config["method"])
+    return spec.factory(target, spec.make_config(drafter=str(path), **options))

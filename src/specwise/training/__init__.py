@@ -1,0 +1,1 @@
+"""Training machinery shared by every trainable drafter: corpus, target features, trainer, checkpoints."""

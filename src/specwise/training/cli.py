@@ -1,0 +1,135 @@
+"""``specwise data build``, ``specwise train`` and ``specwise export-hf``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _expand(paths: list[str]) -> list[Path]:
+    from specwise.errors import ConfigError
+
+    out = []
+    for item in paths:
+        path = Path(item)
+        out += sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    if not out:
+        raise ConfigError("no prompt files given (--data FILE... or a directory of .jsonl files).")
+    return out
+
+
+def add_data_args(p: argparse.ArgumentParser, default_target: str) -> None:
+    sub = p.add_subparsers(dest="data_command", required=True)
+    build = sub.add_parser("build", help="self-distillation corpus: the target continues training prompts")
+    build.add_argument("--target", default=default_target)
+    build.add_argument("--data", nargs="+", required=True, help="prompt JSONL files or directories")
+    build.add_argument("--out", required=True, help="corpus directory (resumes when it exists)")
+    build.add_argument("--minutes", type=float, default=None, help="stop generating after about M minutes")
+    build.add_argument("--new-tokens", type=int, default=192)
+    build.add_argument("--batch-size", type=int, default=16)
+    build.add_argument("--sampled-fraction", type=float, default=0.5)
+    build.add_argument("--temperature", type=float, default=0.7)
+    build.add_argument("--continued-prompts", type=int, default=None, help="prompts to continue (default all)")
+    build.add_argument("--text-only-prompts", type=int, default=0, help="further prompts kept as text only")
+    build.add_argument("--max-prompt-tokens", type=int, default=1024)
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--dtype", default="bfloat16")
+    build.add_argument("--device", default=None)
+    build.set_defaults(func=cmd_data_build)
+
+
+def cmd_data_build(args: argparse.Namespace) -> int:
+    from specwise.prompts import load_prompts
+    from specwise.target import load_target
+    from specwise.training.corpus import CorpusConfig, build_corpus
+
+    config = CorpusConfig(
+        new_tokens=args.new_tokens, batch_size=args.batch_size, sampled_fraction=args.sampled_fraction,
+        temperature=args.temperature, max_prompt_tokens=args.max_prompt_tokens,
+        continued_prompts=args.continued_prompts, text_only_prompts=args.text_only_prompts, seed=args.seed,
+    )
+    records = load_prompts(_expand(args.data))
+    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_say)
+    out = build_corpus(target, records, args.out, config, minutes=args.minutes, progress=_say)
+    _say(f"corpus in {out}")
+    return 0
+
+
+def add_train_args(p: argparse.ArgumentParser, default_target: str) -> None:
+    p.add_argument("method", help="drafter to train: draft")
+    p.add_argument("--target", default=default_target)
+    p.add_argument("--data", nargs="+", required=True,
+                   help="a corpus directory (from `specwise data build`), or prompt JSONL files to build one from")
+    p.add_argument("--out", required=True, help="output drafter directory (resumes when it holds a trainer state)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--minutes", type=float, default=None, help="training time budget (default 45)")
+    budget.add_argument("--steps", type=int, default=None, help="optimizer steps instead of a time budget")
+    p.add_argument("--corpus-minutes", type=float, default=10.0, help="generation budget when --data are prompt files")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--draft-vocab-size", type=int, default=None)
+    p.add_argument("--init-layers", default=None, help="draft: target layers to start from, e.g. 0,-1")
+    p.add_argument("--top-k", type=int, default=8, help="target log-probs kept per position")
+    p.add_argument("--validate-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16", help="dtype the target runs in")
+    p.add_argument("--device", default=None)
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from specwise.errors import ConfigError
+    from specwise.target import load_target
+    from specwise.training.recipes import RECIPES
+
+    if args.method not in RECIPES:
+        raise ConfigError(f"no training recipe for {args.method!r}; available: {', '.join(RECIPES)}.")
+    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_say)
+    corpus = _corpus_from(args, target)
+    out = RECIPES[args.method](target, corpus, Path(args.out), args, _say)
+    _say(f"drafter written to {out}")
+    return 0
+
+
+def _corpus_from(args: argparse.Namespace, target) -> Path:
+    from specwise.errors import ConfigError
+    from specwise.prompts import load_prompts
+    from specwise.training.corpus import SHARD_GLOB, CorpusConfig, build_corpus
+
+    corpora = [Path(p) for p in args.data if Path(p).is_dir() and any(Path(p).glob(SHARD_GLOB))]
+    if len(corpora) > 1:
+        raise ConfigError("give one corpus directory (merge prompt files into one `specwise data build` instead).")
+    if corpora:
+        return corpora[0]
+    records = load_prompts(_expand(args.data))
+    return build_corpus(target, records, Path(args.out) / "corpus", CorpusConfig(seed=args.seed),
+                        minutes=args.corpus_minutes, progress=_say)
+
+
+def add_export_args(p: argparse.ArgumentParser, default_target: str) -> None:
+    p.add_argument("drafter", nargs="?", default=None, help="draft LM directory (default: the shipped one)")
+    p.add_argument("--target", default=default_target)
+    p.add_argument("--out", required=True, help="HF model directory to write")
+    p.add_argument("--dtype", default="bfloat16")
+    p.set_defaults(func=cmd_export_hf)
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from specwise.drafters.draft_model import load_draft_lm, shipped_drafter
+    from specwise.errors import DrafterError
+    from specwise.models.export import export_hf
+    from specwise.target import load_target, resolve_dtype
+
+    target = load_target(args.target, dtype=args.dtype, device="cpu", progress=_say)
+    path = args.drafter or shipped_drafter(target, "draft")
+    if path is None:
+        raise DrafterError(f"no draft LM ships for {target.name}; give its directory.")
+    out = export_hf(load_draft_lm(path, target), target, args.out, resolve_dtype(args.dtype))
+    _say(f"wrote a Hugging Face model to {out}")
+    return 0

@@ -1,0 +1,75 @@
+"""Training recipes by method name: each turns (target, corpus, options) into a drafter directory."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file
+
+from specwise.checkpoint import DrafterCheckpoint, save_checkpoint, target_fingerprint
+from specwise.training.trainer import LOG_NAME, TrainConfig, config_dict, train
+
+DRAFT_DEFAULTS = {"lr": 5e-4, "batch_tokens": 4096, "draft_vocab_size": 32768, "init_layers": "0,-1", "minutes": 45.0}
+
+
+def choose_vocabulary(target, corpus: Path, size: int, say: Callable[[str], None]) -> torch.Tensor:
+    """The corpus's draft vocabulary: reuse the one its features were made with, else count tokens."""
+    from specwise.training.features import draft_vocabulary, token_frequencies, vocabulary_coverage
+
+    stored = corpus / "draft_vocab.safetensors"
+    if stored.exists():
+        vocab = load_file(str(stored))["vocab"]
+        if vocab.numel() == size:
+            return vocab
+    counts = token_frequencies(corpus, target.vocab_size)
+    vocab = draft_vocabulary(counts, size, always=tuple(sorted(target.eos_token_ids)))
+    say(f"draft vocabulary: {size} tokens cover {vocabulary_coverage(counts, vocab):.2%} of the corpus")
+    return vocab
+
+
+def train_draft(target, corpus: Path, out: Path, args: argparse.Namespace, say: Callable[[str], None]) -> Path:
+    """Distil a draft LM (:mod:`specwise.training.draft_recipe`) and write its checkpoint to ``out``."""
+    from specwise.models.draft_lm import DraftLM, DraftLMConfig
+    from specwise.training.draft_recipe import DraftLMRecipe, DraftRecipeConfig
+    from specwise.training.features import FeatureConfig, extract_features
+
+    pick = lambda name: getattr(args, name, None) if getattr(args, name, None) is not None else DRAFT_DEFAULTS[name]  # noqa: E731
+    size = int(pick("draft_vocab_size"))
+    init_layers = tuple(int(x) for x in str(pick("init_layers")).split(","))
+    vocab = choose_vocabulary(target, corpus, size, say)
+    started = time.perf_counter()
+    extract_features(target, corpus, vocab, FeatureConfig(top_k=args.top_k), progress=say)
+    feature_minutes = (time.perf_counter() - started) / 60
+    recipe_config = DraftRecipeConfig(batch_tokens=int(pick("batch_tokens")))
+    recipe = DraftLMRecipe(corpus, vocab, recipe_config)
+    say(f"training on {recipe.train_tokens} tokens ({len(recipe.train_examples)} sequences), "
+        f"{len(recipe.validation_examples)} validation sequences")
+    model = DraftLM(target, DraftLMConfig(init_layers=init_layers, draft_vocab_size=size), vocab).float()
+    steps = getattr(args, "steps", None)
+    minutes = None if steps else float(pick("minutes"))
+    config = TrainConfig(steps=steps, minutes=minutes, lr=float(pick("lr")), grad_accum=args.grad_accum,
+                         seed=args.seed, validate_every=args.validate_every)
+    result = train(model, recipe, config, out / "trainer")
+    tensors = {**model.trainable_state_dict(), "draft_vocab": vocab.to(torch.int32)}
+    recipe_record = {
+        "recipe": "draft-lm distillation (soft cross-entropy on target top-k, draft vocabulary)",
+        "corpus": json.loads((corpus / "corpus.json").read_text()) if (corpus / "corpus.json").exists() else {},
+        "train_tokens_per_epoch": recipe.train_tokens, "tokens_seen": result.tokens, "steps": result.steps,
+        "train_minutes": round(result.seconds / 60, 1), "feature_minutes": round(feature_minutes, 1),
+        "top_k": args.top_k, "data": dataclasses.asdict(recipe_config),
+        "optimizer": config_dict(config), "log": f"trainer/{LOG_NAME}",
+    }
+    checkpoint = DrafterCheckpoint("draft", model.architecture(), target.name, target_fingerprint(target),
+                                   tensors, recipe_record, {"validation": result.validation})
+    save_checkpoint(checkpoint, out)
+    say(f"validation: {result.validation}")
+    return out
+
+
+RECIPES: dict[str, Callable] = {"draft": train_draft}

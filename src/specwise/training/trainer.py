@@ -1,0 +1,271 @@
+"""One trainer for every drafter recipe: AdamW, warmup + cosine, bf16 autocast, gradient accumulation,
+resumable checkpoints, periodic validation, and torch DDP when launched with several processes.
+
+A recipe (:class:`Recipe`) owns the data and the loss; the trainer owns the optimization loop.
+Launched by ``torchrun --nproc-per-node N`` (environment ``WORLD_SIZE`` > 1) it joins a gloo
+process group (CPU), wraps the model in ``DistributedDataParallel`` and gives each rank every N-th
+micro-batch; rank 0 alone writes logs and checkpoints.
+
+Resuming: the trainer state (trainable weights, optimizer, step, data position, RNG states, the
+step count a ``minutes`` budget was converted to) is saved every ``checkpoint_every`` steps to
+``out_dir/trainer_state.pt``; running again with the same ``out_dir`` continues from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from specwise.errors import ConfigError
+
+STATE_NAME = "trainer_state.pt"
+LOG_NAME = "train_log.jsonl"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimization settings shared by every recipe."""
+
+    steps: int | None = None  # optimizer steps; or give `minutes`
+    minutes: float | None = None  # wall-clock budget, turned into a step count after `calibrate_steps`
+    lr: float = 5e-4  # peak learning rate
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 30  # linear warmup
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_accum: int = 1  # micro-batches per optimizer step (per process)
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    bf16: bool = True  # bf16 autocast (CPU and CUDA)
+    seed: int = 0
+    checkpoint_every: int = 50  # steps between resumable checkpoints
+    validate_every: int = 0  # steps between validations; 0 = only at the end
+    log_every: int = 10
+    calibrate_steps: int = 8  # steps timed before a `minutes` budget becomes a step count
+
+    def __post_init__(self) -> None:
+        if (self.steps is None) == (self.minutes is None):
+            raise ConfigError("give exactly one of steps and minutes.")
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError(f"steps must be >= 1, got {self.steps}.")
+        if self.minutes is not None and not self.minutes > 0:
+            raise ConfigError(f"minutes must be > 0, got {self.minutes}.")
+        if self.lr <= 0 or self.grad_accum < 1 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("lr must be > 0, grad_accum >= 1 and min_lr_ratio in [0, 1].")
+
+
+class Recipe(ABC):
+    """What a drafter is trained on and how its loss is computed."""
+
+    @abstractmethod
+    def batches(self, epoch: int, seed: int) -> list[Any]:
+        """The epoch's micro-batches in order; the same ``(epoch, seed)`` must give the same list."""
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
+        """``(mean loss, number of tokens)`` of one micro-batch; call ``model(...)`` (it may be a DDP wrapper)."""
+
+    def validate(self, model: nn.Module) -> dict[str, Any]:
+        """Held-out metrics (e.g. per-position acceptance); called on rank 0 only."""
+        return {}
+
+
+@dataclass
+class TrainResult:
+    """What a training run did: steps, wall time, the logged curve and the last validation."""
+
+    steps: int
+    seconds: float
+    tokens: int
+    curve: list[dict[str, Any]] = field(default_factory=list)
+    validation: dict[str, Any] = field(default_factory=dict)
+
+
+def learning_rate(step: int, total: int, config: TrainConfig) -> float:
+    """Linear warmup to ``config.lr``, then cosine decay to ``lr * min_lr_ratio`` at ``total``."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, total - config.warmup_steps))
+    floor = config.lr * config.min_lr_ratio
+    return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _distributed() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def train(model: nn.Module, recipe: Recipe, config: TrainConfig, out_dir: str | Path,
+          *, progress: bool = True, pause_after: int | None = None) -> TrainResult:
+    """Train ``model``'s trainable parameters on ``recipe``; resumes from ``out_dir`` when it has a state.
+
+    Args:
+        model: the drafter network; parameters with ``requires_grad`` are trained (fp32 master
+            weights; the forward runs under bf16 autocast when ``config.bf16``).
+        recipe: data and loss.
+        config: :class:`TrainConfig`.
+        out_dir: where ``trainer_state.pt`` and ``train_log.jsonl`` go.
+        progress: show a tqdm bar with loss and throughput (rank 0).
+        pause_after: stop after this many steps in this call, saving a resumable state (the run
+            is not finished: no final validation).
+
+    Returns:
+        :class:`TrainResult`.
+
+    Raises:
+        ConfigError: the recipe yields no batches, or the model has nothing to train.
+    """
+    from tqdm import tqdm
+
+    rank, world = _distributed()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError("the model has no trainable parameters.")
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    wrapped = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    state = {"step": 0, "epoch": 0, "cursor": 0, "total": config.steps, "tokens": 0, "seconds": 0.0}
+    state_path = out / STATE_NAME
+    if state_path.exists():
+        saved = torch.load(state_path, map_location="cpu", weights_only=False)
+        model.load_state_dict(saved["model"], strict=False)
+        optimizer.load_state_dict(saved["optimizer"])
+        torch.set_rng_state(saved["torch_rng"])
+        random.setstate(saved["python_rng"])
+        state.update(saved["progress"])
+    curve = _read_log(out / LOG_NAME) if rank == 0 else []
+    data = _micro_batches(recipe, config.seed, rank, world, state)
+    autocast = torch.autocast(device_type=params[0].device.type, dtype=torch.bfloat16) if config.bf16 \
+        else contextlib.nullcontext()
+    bar = tqdm(total=state["total"], initial=state["step"], disable=not progress or rank != 0,
+               desc="train", unit="step", dynamic_ncols=True)
+    model.train()
+    started = time.perf_counter() - state["seconds"]
+    window_tokens, window_start = 0, time.perf_counter()
+    validation: dict[str, Any] = {}
+    steps_this_call = 0
+    while state["total"] is None or state["step"] < state["total"]:
+        if pause_after is not None and steps_this_call >= pause_after:
+            state["seconds"] = time.perf_counter() - started
+            if rank == 0:
+                _save_state(state_path, model, optimizer, state)
+            bar.close()
+            return TrainResult(state["step"], state["seconds"], state["tokens"], curve, {})
+        steps_this_call += 1
+        step_start = time.perf_counter()
+        lr = learning_rate(state["step"], state["total"] or 10 ** 9, config)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        step_loss, step_tokens = 0.0, 0
+        for micro in range(config.grad_accum):
+            batch = next(data)
+            sync = contextlib.nullcontext() if world == 1 or micro == config.grad_accum - 1 else wrapped.no_sync()
+            with sync, autocast:
+                loss, tokens = recipe.loss(wrapped, batch)
+            (loss / config.grad_accum).backward()
+            step_loss += float(loss.detach()) / config.grad_accum
+            step_tokens += tokens
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip)) if config.grad_clip else 0.0
+        optimizer.step()
+        state["step"] += 1
+        state["tokens"] += step_tokens * world
+        window_tokens += step_tokens * world
+        if state["total"] is None and state["step"] >= config.calibrate_steps:
+            state["total"] = _budget_steps(config, state, time.perf_counter() - started)
+            bar.reset(total=state["total"])
+            bar.update(state["step"])
+        bar.update(1)
+        bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{step_tokens * world / (time.perf_counter() - step_start):.0f}")
+        done = state["step"] == state["total"]
+        if rank == 0 and (state["step"] % config.log_every == 0 or done):
+            now = time.perf_counter()
+            row = {"step": state["step"], "loss": round(step_loss, 5), "lr": lr, "grad_norm": round(grad_norm, 4),
+                   "tokens": state["tokens"], "elapsed_s": round(now - started, 1),
+                   "tokens_per_s": round(window_tokens / max(now - window_start, 1e-9), 1)}
+            window_tokens, window_start = 0, now
+            if config.validate_every and state["step"] % config.validate_every == 0 and not done:
+                row["validation"] = _validate(recipe, model)
+            curve.append(row)
+            with (out / LOG_NAME).open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
+        if state["step"] % config.checkpoint_every == 0 or done:
+            state["seconds"] = time.perf_counter() - started
+            if rank == 0:
+                _save_state(state_path, model, optimizer, state)
+    bar.close()
+    if rank == 0:
+        validation = _validate(recipe, model)
+        with (out / LOG_NAME).open("a") as fh:
+            fh.write(json.dumps({"step": state["step"], "final_validation": validation}) + "\n")
+    return TrainResult(state["step"], time.perf_counter() - started, state["tokens"], curve, validation)
+
+
+def _validate(recipe: Recipe, model: nn.Module) -> dict[str, Any]:
+    model.eval()
+    try:
+        with torch.no_grad():
+            return recipe.validate(model)
+    finally:
+        model.train()
+
+
+def _budget_steps(config: TrainConfig, state: dict, elapsed: float) -> int:
+    """Turn the minutes budget into a step count from the measured pace (agreed across ranks)."""
+    per_step = elapsed / max(state["step"], 1)
+    total = torch.tensor([max(state["step"], int(config.minutes * 60 / per_step))], dtype=torch.long)
+    if dist.is_initialized():
+        dist.broadcast(total, src=0)
+    return int(total)
+
+
+def _micro_batches(recipe: Recipe, seed: int, rank: int, world: int, state: dict) -> Iterator[Any]:
+    """This rank's micro-batches, epoch after epoch, starting at the saved position."""
+    while True:
+        batches = recipe.batches(state["epoch"], seed)
+        if len(batches) < world:
+            raise ConfigError(f"the recipe yields {len(batches)} batches per epoch, fewer than {world} processes.")
+        mine = batches[rank::world][: len(batches) // world]  # equal counts keep ranks in step
+        while state["cursor"] < len(mine):
+            state["cursor"] += 1
+            yield mine[state["cursor"] - 1]
+        state["epoch"] += 1
+        state["cursor"] = 0
+
+
+def _save_state(path: Path, model: nn.Module, optimizer, state: dict) -> None:
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    weights = {k: v for k, v in model.state_dict().items() if k in trainable}
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": weights, "optimizer": optimizer.state_dict(), "progress": dict(state),
+                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}, tmp)
+    tmp.replace(path)
+
+
+def _read_log(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip() and "loss" in line]
+
+
+def config_dict(config: TrainConfig) -> dict[str, Any]:
+    """The config as JSON-ready data (for a checkpoint's recipe)."""
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()}
