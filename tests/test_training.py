@@ -389,3 +389,20 @@ def test_cli_builds_trains_and_generates_end_to_end(tmp_path):
     assert (tmp_path / "hf" / "config.json").exists()
     bad = run("train", "nonsense", *common, "--data", str(tmp_path / "corpus"), "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "no training recipe" in bad.stderr
+
+
+def test_hf_assisted_peer_runs_a_specwise_draft_lm(tmp_path):
+    from specwise.bench.contenders import hf_peer_specs, load_assistant, parse_contender
+
+    assert hf_peer_specs(["ar", "draft"])[-1] == "hf-assisted[assistant=default]"
+    assert hf_peer_specs(["draft[drafter=/x]"])[-1] == "hf-assisted[assistant=/x]"
+    target = make_target("llama", eos=())
+    model = DraftLM(target, DraftLMConfig(init_layers=(1,), draft_vocab_size=64), torch.arange(64)).double()
+    _save_draft(target, model, tmp_path / "d")
+    assistant = load_assistant(target, str(tmp_path / "d"))
+    assert assistant.get_output_embeddings().weight.shape[0] == 128  # the full vocabulary, materialized
+    peer = parse_contender(target, f"hf-assisted[assistant={tmp_path / 'd'}]")
+    prompt = random_prompt(12, seed=2)
+    assert peer.run(prompt, 8).token_ids == reference_greedy(target.model, prompt, 8)
+    with pytest.raises(DrafterError, match="no draft LM ships"):
+        load_assistant(target, "default")

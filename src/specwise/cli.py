@@ -153,6 +153,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specwise.prompts import default_prompt_records, load_prompts, take_per_category
 
     records = load_prompts(args.prompts) if args.prompts else default_prompt_records()
+    if args.held_out:
+        from specwise.prompts import is_held_out
+
+        records = [r for r in records if is_held_out(r)]
     if args.per_category:
         records = take_per_category(records, args.per_category)
     if not records:
@@ -215,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated contenders, e.g. 'ar,pld,pld[num_draft_tokens=5,max_ngram_size=2],hf-pld'")
     bench.add_argument("--hf-peers", action="store_true", help="add Hugging Face generate and prompt lookup")
     bench.add_argument("--per-category", type=int, default=0, help="first N prompts of each category")
+    bench.add_argument("--held-out", action="store_true",
+                       help="only prompts of the evaluation split, which drafter training never uses")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--seed", type=int, default=0)

@@ -65,10 +65,7 @@ def hf_contender(target, kind: str, label: str | None = None, **options: Any) ->
         if assistant is None:
             if "assistant" not in options:
                 raise ConfigError("hf-assisted needs an assistant draft model: hf-assisted[assistant=PATH].")
-            from specwise.loading import load_model_and_tokenizer
-
-            assistant, _, _ = load_model_and_tokenizer(str(options["assistant"]), dtype=target.dtype,
-                                                       device=target.device)
+            assistant = load_assistant(target, str(options["assistant"]))
         extra["assistant_model"] = assistant
     elif kind != "generate":
         raise ConfigError(f"unknown Hugging Face peer {kind!r}; use generate, pld or assisted.")
@@ -95,6 +92,31 @@ def hf_contender(target, kind: str, label: str | None = None, **options: Any) ->
     return Contender(label or f"hf-{kind}", run, is_peer=True)
 
 
+def load_assistant(target, path: str):
+    """The HF model for ``hf-assisted[assistant=PATH]``: an HF directory or ``.gguf``, a specwise draft
+    LM (materialized as a plain HF model with the full vocabulary), or ``default`` for the draft LM
+    that ships for the target.
+
+    Raises:
+        DrafterError: ``default`` but no draft LM ships for the target; or a bad checkpoint.
+    """
+    from specwise.checkpoint import is_checkpoint
+    from specwise.drafters.draft_model import load_draft_lm, shipped_drafter
+    from specwise.errors import DrafterError
+    from specwise.models.export import to_hf_model
+
+    if path == "default":
+        shipped = shipped_drafter(target, "draft")
+        if shipped is None:
+            raise DrafterError(f"no draft LM ships for {target.name}; give hf-assisted[assistant=PATH].")
+        path = str(shipped)
+    if is_checkpoint(path):
+        return to_hf_model(load_draft_lm(path, target), target)
+    from specwise.loading import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(path, dtype=target.dtype, device=target.device, role="draft model")[0]
+
+
 def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``'pld[num_draft_tokens=5,match=latest]'`` -> ``('pld', {'num_draft_tokens': 5, 'match': 'latest'})``.
 
@@ -118,12 +140,12 @@ def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 def hf_peer_specs(specs: list[str]) -> list[str]:
     """The Hugging Face peers for a benchmark: plain generate, prompt lookup, and assisted generation
-    with the draft model of every ``draft[drafter=PATH]`` contender."""
+    with the draft model of every ``draft`` contender (``default``: the shipped one)."""
     peers = ["hf-generate", "hf-pld"]
     for spec in specs:
         name, options = split_spec(spec)
-        if name == "draft" and "drafter" in options:
-            peers.append(f"hf-assisted[assistant={options['drafter']}]")
+        if name == "draft":
+            peers.append(f"hf-assisted[assistant={options.get('drafter', 'default')}]")
     return peers
 
 

@@ -11,11 +11,8 @@ from specwise.errors import DrafterError
 
 @torch.no_grad()
 def export_hf(draft_lm, target, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write ``draft_lm`` as an HF model directory of the target's architecture, with its tokenizer.
-
-    The borrowed parts are materialized: the target's input embeddings and its full LM head (tied
-    for Gemma), so the exported model predicts the whole vocabulary (its argmax can differ from the
-    draft LM's only where the best token lies outside the draft vocabulary).
+    """Write ``draft_lm`` as an HF model directory of the target's architecture, with its tokenizer
+    (see :func:`to_hf_model`).
 
     Args:
         draft_lm: a :class:`specwise.models.draft_lm.DraftLM`.
@@ -30,7 +27,33 @@ def export_hf(draft_lm, target, out_dir: str | Path, dtype: torch.dtype = torch.
         DrafterError: the target's causal-LM class cannot be rebuilt from its config.
     """
     out = Path(out_dir)
-    config = draft_lm.decoder_config
+    to_hf_model(draft_lm, target, dtype).save_pretrained(out)
+    target.tokenizer.save_pretrained(out)
+    return out
+
+
+@torch.no_grad()
+def to_hf_model(draft_lm, target, dtype: torch.dtype | None = None):
+    """``draft_lm`` as an HF causal LM of the target's class (in memory, on the target's device).
+
+    The borrowed parts are materialized: the target's input embeddings and its full LM head (tied
+    for Gemma), so the exported model predicts the whole vocabulary (its argmax can differ from the
+    draft LM's only where the best token lies outside the draft vocabulary).
+
+    Args:
+        draft_lm: a :class:`specwise.models.draft_lm.DraftLM`.
+        target: the target it was built for.
+        dtype: weight dtype (default: the target's).
+
+    Returns:
+        an HF ``PreTrainedModel`` in eval mode.
+
+    Raises:
+        DrafterError: the target's causal-LM class cannot be rebuilt from its config.
+    """
+    import copy
+
+    config = copy.deepcopy(draft_lm.decoder_config)
     config.architectures = [type(target.model).__name__]
     try:
         model = type(target.model)(config)
@@ -42,7 +65,6 @@ def export_hf(draft_lm, target, out_dir: str | Path, dtype: torch.dtype = torch.
     model.get_input_embeddings().weight.copy_(target.model.get_input_embeddings().weight)
     if not getattr(config, "tie_word_embeddings", False):
         model.get_output_embeddings().weight.copy_(target.model.get_output_embeddings().weight)
-    model.generation_config = target.model.generation_config
-    model.to(dtype).save_pretrained(out)
-    target.tokenizer.save_pretrained(out)
-    return out
+    model.generation_config = copy.deepcopy(target.model.generation_config)
+    model.config._attn_implementation = getattr(target.model.config, "_attn_implementation", "sdpa")
+    return model.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)
