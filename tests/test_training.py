@@ -379,6 +379,7 @@ def test_cli_builds_trains_and_generates_end_to_end(tmp_path):
     assert trained.returncode == 0, trained.stderr
     config = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert config["method"] == "draft" and config["recipe"]["steps"] == 3
+    assert (tmp_path / "draft" / "training_curve.png").stat().st_size > 0
     generated = run("generate", *common, "--method", "draft", "--drafter", str(tmp_path / "draft"), "--json",
                     "--max-new-tokens", "6", "t5 t9 t11")
     assert generated.returncode == 0, generated.stderr

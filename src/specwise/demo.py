@@ -1,4 +1,5 @@
-"""``specwise demo`` / ``make demo``: ar against pld and lookahead on the real default target, built-in prompts."""
+"""``specwise demo`` / ``make demo``: ar against pld, lookahead and (where one ships for the target) the
+trained draft LM on the real default target, built-in prompts."""
 
 from __future__ import annotations
 
@@ -14,13 +15,17 @@ DEMO_CATEGORIES = ("code", "summarization", "rag")
 
 
 def run_demo(target_name: str, max_new_tokens: int, device, progress) -> int:
-    """Generate with ``ar``, ``pld`` and ``lookahead`` (interleaved, after a warm-up); print text and stats."""
+    """Generate with ``ar``, ``pld``, ``lookahead`` and the shipped ``draft`` LM (interleaved, after a
+    warm-up); print text and stats."""
     import specwise
 
     console = Console()
     target = specwise.load_target(target_name, dtype="bfloat16", device=device, progress=progress)
     records = [r for r in load_prompts([builtin_prompt_file()]) if r.category in DEMO_CATEGORIES]
-    drafters = {m: specwise.build_drafter(target, m) for m in ("ar", "pld", "lookahead")}
+    from specwise.drafters.draft_model import shipped_drafter
+
+    methods = ("ar", "pld", "lookahead") + (("draft",) if shipped_drafter(target, "draft") else ())
+    drafters = {m: specwise.build_drafter(target, m) for m in methods}
     for drafter in drafters.values():  # warm-up
         specwise.generate(target, records[0].prompt, drafter=drafter, max_new_tokens=16)
     speeds: dict[str, list[float]] = {m: [] for m in drafters}

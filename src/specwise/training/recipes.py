@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import time
@@ -16,6 +17,28 @@ from specwise.checkpoint import DrafterCheckpoint, save_checkpoint, target_finge
 from specwise.training.trainer import LOG_NAME, TrainConfig, config_dict, train
 
 DRAFT_DEFAULTS = {"lr": 5e-4, "batch_tokens": 4096, "draft_vocab_size": 32768, "init_layers": "0,-1", "minutes": 45.0}
+
+
+def is_main_process() -> bool:
+    """True outside DDP, and on rank 0 inside it."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@contextlib.contextmanager
+def main_process_first():
+    """Run the block's work on rank 0 only (``yield`` tells whether this process does it); the
+    other ranks wait at a barrier until it is done. Joins the process group under ``torchrun``."""
+    import os
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    yield is_main_process()
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def choose_vocabulary(target, corpus: Path, size: int, say: Callable[[str], None]) -> torch.Tensor:
@@ -42,9 +65,12 @@ def train_draft(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
     pick = lambda name: getattr(args, name, None) if getattr(args, name, None) is not None else DRAFT_DEFAULTS[name]  # noqa: E731
     size = int(pick("draft_vocab_size"))
     init_layers = tuple(int(x) for x in str(pick("init_layers")).split(","))
-    vocab = choose_vocabulary(target, corpus, size, say)
     started = time.perf_counter()
-    extract_features(target, corpus, vocab, FeatureConfig(top_k=args.top_k), progress=say)
+    with main_process_first() as is_main:  # one process labels the corpus; DDP ranks then read it
+        if is_main:
+            vocab = choose_vocabulary(target, corpus, size, say)
+            extract_features(target, corpus, vocab, FeatureConfig(top_k=args.top_k), progress=say)
+    vocab = load_file(str(corpus / "draft_vocab.safetensors"))["vocab"]
     feature_minutes = (time.perf_counter() - started) / 60
     recipe_config = DraftRecipeConfig(batch_tokens=int(pick("batch_tokens")))
     recipe = DraftLMRecipe(corpus, vocab, recipe_config)
@@ -65,9 +91,14 @@ def train_draft(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
         "top_k": args.top_k, "data": dataclasses.asdict(recipe_config),
         "optimizer": config_dict(config), "log": f"trainer/{LOG_NAME}",
     }
+    if not is_main_process():
+        return out
     checkpoint = DrafterCheckpoint("draft", model.architecture(), target.name, target_fingerprint(target),
                                    tensors, recipe_record, {"validation": result.validation})
     save_checkpoint(checkpoint, out)
+    from specwise.training.plots import plot_training_curve
+
+    plot_training_curve(out / "trainer" / LOG_NAME, out / "training_curve.png")
     say(f"validation: {result.validation}")
     return out
 
