@@ -121,7 +121,10 @@ def build_corpus(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda message: None)
-    (out / "corpus.json").write_text(json.dumps({"target": target.name, **asdict(config)}, indent=1))
+    record_path = out / "corpus.json"  # every build (and resume) of this corpus, in order
+    history = json.loads(record_path.read_text()) if record_path.exists() else {"target": target.name, "builds": []}
+    history.setdefault("builds", []).append({**asdict(config), "minutes": minutes})
+    record_path.write_text(json.dumps(history, indent=1))
     done = {seq_id for seq_id in _shard_ids(out)}
     usable = [r for r in interleave_categories(records, config.seed) if not is_held_out(r)]
     if not usable:

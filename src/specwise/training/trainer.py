@@ -39,7 +39,7 @@ class TrainConfig:
     """Optimization settings shared by every recipe."""
 
     steps: int | None = None  # optimizer steps; or give `minutes`
-    minutes: float | None = None  # wall-clock budget, turned into a step count after `calibrate_steps`
+    minutes: float | None = None  # wall-clock budget: the step count is estimated from the pace so far
     lr: float = 5e-4  # peak learning rate
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
     warmup_steps: int = 30  # linear warmup
@@ -52,7 +52,7 @@ class TrainConfig:
     checkpoint_every: int = 50  # steps between resumable checkpoints
     validate_every: int = 0  # steps between validations; 0 = only at the end
     log_every: int = 10
-    calibrate_steps: int = 8  # steps timed before a `minutes` budget becomes a step count
+    calibrate_steps: int = 8  # steps timed before a `minutes` budget is first turned into a step count
 
     def __post_init__(self) -> None:
         if (self.steps is None) == (self.minutes is None):
@@ -189,10 +189,12 @@ def train(model: nn.Module, recipe: Recipe, config: TrainConfig, out_dir: str | 
         state["step"] += 1
         state["tokens"] += step_tokens * world
         window_tokens += step_tokens * world
-        if state["total"] is None and state["step"] >= config.calibrate_steps:
+        if config.minutes is not None and state["step"] >= config.calibrate_steps and (
+                state["total"] is None or state["step"] % config.log_every == 0):
+            # re-estimated from the whole run's pace at every log interval, so a slow stretch after
+            # a fast start cannot overrun the budget; the cosine follows the estimate smoothly
             state["total"] = _budget_steps(config, state, time.perf_counter() - started)
-            bar.reset(total=state["total"])
-            bar.update(state["step"])
+            bar.total = state["total"]
         bar.update(1)
         bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{step_tokens * world / (time.perf_counter() - step_start):.0f}")
         done = state["step"] == state["total"]
@@ -231,7 +233,7 @@ def _validate(recipe: Recipe, model: nn.Module) -> dict[str, Any]:
 def _budget_steps(config: TrainConfig, state: dict, elapsed: float) -> int:
     """Turn the minutes budget into a step count from the measured pace (agreed across ranks)."""
     per_step = elapsed / max(state["step"], 1)
-    total = torch.tensor([max(state["step"], int(config.minutes * 60 / per_step))], dtype=torch.long)
+    total = torch.tensor([max(state["step"] + 1, int(config.minutes * 60 / per_step))], dtype=torch.long)
     if dist.is_initialized():
         dist.broadcast(total, src=0)
     return int(total)
