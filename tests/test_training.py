@@ -277,6 +277,39 @@ def test_checkpoint_round_trip_gives_identical_outputs(tmp_path):
     assert not any("embed" in k for k in stored), "the borrowed embedding must not be stored"
 
 
+def test_borrowed_target_layers_are_shared_frozen_and_not_stored(tmp_path):
+    target = make_target("gemma3")
+    model = DraftLM(target, DraftLMConfig(init_layers=(-1,), draft_vocab_size=128, borrowed_layers=1),
+                    torch.arange(128)).double()
+    assert model.decoder.layers[0] is target.model.get_decoder().layers[0]
+    assert not any(p.requires_grad for p in model.decoder.layers[0].parameters())
+    assert not any(k.startswith("decoder.layers.0.") for k in model.trainable_state_dict())
+    assert model.decoder_config.layer_types == ["sliding_attention", "full_attention"]
+    ids = random_prompt(12)[None]
+    with torch.no_grad():  # own layer = the target's last one: the draft is exactly the target
+        torch.testing.assert_close(model(ids), target.model(ids).logits, atol=1e-12, rtol=0)
+    with torch.no_grad():
+        for p in model.own_modules()[0].parameters():
+            p.copy_((p + 0.1 * torch.randn_like(p)).to(torch.bfloat16).double())
+    _save_draft(target, model, tmp_path / "d")
+    loaded = load_draft_lm(tmp_path / "d", target)
+    with torch.no_grad():
+        assert torch.equal(model(ids), loaded(ids))
+    from specwise.models.export import export_hf
+    from transformers import AutoModelForCausalLM
+
+    export_hf(loaded, target, tmp_path / "hf", dtype=torch.float64)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, loaded(ids), atol=1e-5, rtol=1e-5)
+    drafter = DraftModelDrafter(target, DraftModelConfig(num_draft_tokens=3, confidence_threshold=0.0),
+                                draft_model=loaded)
+    target.eos_token_ids = frozenset()
+    prompt = random_prompt(15, seed=7)
+    result = specwise.generate(target, prompt, drafter=drafter, max_new_tokens=20)
+    assert result.token_ids == reference_greedy(target.model, prompt, 20)
+
+
 def test_a_drafter_for_another_target_is_refused_naming_both(tmp_path):
     target = make_target("llama")
     model = DraftLM(target, DraftLMConfig(init_layers=(0,), draft_vocab_size=8), torch.arange(8))

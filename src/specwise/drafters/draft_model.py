@@ -111,16 +111,19 @@ def load_draft_lm(path, target):
 
     ckpt = load_checkpoint(path, target, method="draft")
     arch = ckpt.architecture
-    config = DraftLMConfig(init_layers=tuple(arch["init_layers"]), draft_vocab_size=int(arch["draft_vocab_size"]))
+    config = DraftLMConfig(init_layers=tuple(arch["init_layers"]), draft_vocab_size=int(arch["draft_vocab_size"]),
+                           borrowed_layers=int(arch.get("borrowed_layers", 0)))
     if "draft_vocab" not in ckpt.tensors:
         raise DrafterError(f"the drafter in {path} has no draft vocabulary table.")
     model = DraftLM(target, config, ckpt.tensors["draft_vocab"].long(), init_from_target=False)
     weights = {k[len("decoder."):]: v for k, v in ckpt.tensors.items() if k.startswith("decoder.")}
     missing, unexpected = model.decoder.load_state_dict(weights, strict=False)
+    borrowed = tuple(f"layers.{i}." for i in range(model.num_borrowed))
+    missing = [k for k in missing if not k.startswith(borrowed)]
     if missing or unexpected:
         raise DrafterError(f"the weights in {path} do not fit the draft LM (missing {missing[:3]}, "
                            f"unexpected {unexpected[:3]}).")
-    return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    return model.to_own(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
 
 
 @register_drafter("draft", DraftModelConfig, "a small draft LM with the target's tokenizer (speculative sampling)")

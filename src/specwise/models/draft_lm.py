@@ -9,7 +9,11 @@ are borrowed from the target at load time and never stored:
   of the target's vocabulary, FR-Spec, ALGORITHMS.md §9), so one draft step costs ``Vd / V`` of the
   target's LM head instead of all of it.
 
-So the stored weights are the few decoder layers and the final norm. ``export_hf`` materializes
+Optionally the target's first ``borrowed_layers`` decoder layers run first, frozen and also borrowed
+(an early-exit draft: the draft's own layers start from the target's contextual features, as in
+Kangaroo, Liu et al. 2024, and LayerSkip, Elhoushi et al. 2024).
+
+So the stored weights are the draft's own decoder layers and the final norm. ``export_hf`` materializes
 the borrowed parts into a plain HF causal LM over the full vocabulary.
 """
 
@@ -28,12 +32,15 @@ from specwise.errors import ConfigError, DrafterError
 class DraftLMConfig:
     """Architecture of a draft LM."""
 
-    init_layers: tuple[int, ...] = (0, -1)  # target layers the draft layers start from (one each)
+    init_layers: tuple[int, ...] = (0, -1)  # target layers the draft's own layers start from (one each)
     draft_vocab_size: int = 32768  # rows of the output layer (a subset of the target's vocabulary)
+    borrowed_layers: int = 0  # the target's first N layers run first, frozen and not stored (early exit)
 
     def __post_init__(self) -> None:
         if not self.init_layers:
-            raise ConfigError("a draft LM needs at least one layer (init_layers is empty).")
+            raise ConfigError("a draft LM needs at least one own layer (init_layers is empty).")
+        if self.borrowed_layers < 0:
+            raise ConfigError(f"borrowed_layers must be >= 0, got {self.borrowed_layers}.")
         if self.draft_vocab_size < 2:
             raise ConfigError(f"draft_vocab_size must be >= 2, got {self.draft_vocab_size}.")
 
@@ -81,16 +88,22 @@ class DraftLM(nn.Module):
             raise DrafterError(f"{target.name}'s decoder has no `layers` / `norm`; a draft LM cannot be built from it.")
         text_config = target.model.config.get_text_config()
         layers = config.resolved_layers(len(decoder.layers))
+        if config.borrowed_layers >= len(decoder.layers):
+            raise ConfigError(f"borrowed_layers must be below the target's {len(decoder.layers)} layers.")
         if vocab.numel() != config.draft_vocab_size:
             raise DrafterError(f"draft vocabulary has {vocab.numel()} ids but the config says {config.draft_vocab_size}.")
         self.config = config
-        self.decoder_config = draft_decoder_config(text_config, layers)
+        borrowed = tuple(range(config.borrowed_layers))
+        self.decoder_config = draft_decoder_config(text_config, borrowed + layers)
         small = copy.deepcopy(self.decoder_config)
         small.vocab_size = (small.pad_token_id or 0) + 1  # no second 262k-row embedding: it is borrowed
         self.decoder = type(decoder)(small)
         self.decoder.embed_tokens = None
+        self.num_borrowed = config.borrowed_layers
+        for i in borrowed:  # the target's own modules: shared, frozen, never stored
+            self.decoder.layers[i] = decoder.layers[i].requires_grad_(False)
         if init_from_target:
-            for mine, source in zip(self.decoder.layers, layers):
+            for mine, source in zip(self.decoder.layers[self.num_borrowed:], layers):
                 mine.load_state_dict(decoder.layers[source].state_dict())
             self.decoder.norm.load_state_dict(decoder.norm.state_dict())
         self.register_buffer("vocab", vocab.clone().long(), persistent=False)  # shape: [Vd]
@@ -122,12 +135,24 @@ class DraftLM(nn.Module):
                            position_ids=position_ids)
         return out.last_hidden_state
 
+    def own_modules(self) -> list[nn.Module]:
+        """The modules the draft owns (trained and stored): its own layers and the final norm."""
+        return [*self.decoder.layers[self.num_borrowed:], self.decoder.norm]
+
+    def to_own(self, *args, **kwargs) -> "DraftLM":
+        """``.to(...)`` on the own modules only (the borrowed target layers keep their dtype)."""
+        for module in self.own_modules():
+            module.to(*args, **kwargs)
+        return self
+
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights a checkpoint stores (the decoder layers and final norm)."""
-        return {f"decoder.{k}": v for k, v in self.decoder.state_dict().items()}
+        """The weights a checkpoint stores (the own decoder layers and the final norm)."""
+        borrowed = tuple(f"layers.{i}." for i in range(self.num_borrowed))
+        return {f"decoder.{k}": v for k, v in self.decoder.state_dict().items() if not k.startswith(borrowed)}
 
     def architecture(self) -> dict:
         return {**asdict(self.config), "init_layers": list(self.config.init_layers),
+                "borrowed_layers": self.num_borrowed,
                 "layer_types": list(getattr(self.decoder_config, "layer_types", None) or []),
                 "num_hidden_layers": int(self.decoder_config.num_hidden_layers)}
 

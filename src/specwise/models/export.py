@@ -60,7 +60,7 @@ def to_hf_model(draft_lm, target, dtype: torch.dtype | None = None):
     except Exception as exc:  # noqa: BLE001 - any construction failure means the class cannot be reused
         raise DrafterError(f"cannot build a {type(target.model).__name__} for the export ({exc}).") from None
     decoder = model.get_decoder()
-    decoder.layers.load_state_dict(draft_lm.decoder.layers.state_dict())
+    decoder.layers.load_state_dict(draft_lm.decoder.layers.state_dict())  # borrowed ones included
     decoder.norm.load_state_dict(draft_lm.decoder.norm.state_dict())
     model.get_input_embeddings().weight.copy_(target.model.get_input_embeddings().weight)
     if not getattr(config, "tie_word_embeddings", False):

@@ -74,7 +74,9 @@ def add_train_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--draft-vocab-size", type=int, default=None)
-    p.add_argument("--init-layers", default=None, help="draft: target layers to start from, e.g. 0,-1")
+    p.add_argument("--init-layers", default=None, help="draft: target layers its own layers start from, e.g. 0,-1")
+    p.add_argument("--borrowed-layers", type=int, default=None,
+                   help="draft: run the target's first N layers first (frozen, not stored)")
     p.add_argument("--top-k", type=int, default=8, help="target log-probs kept per position")
     p.add_argument("--validate-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)

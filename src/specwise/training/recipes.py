@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from specwise.checkpoint import DrafterCheckpoint, save_checkpoint, target_fingerprint
 from specwise.training.trainer import LOG_NAME, TrainConfig, config_dict, train
 
-DRAFT_DEFAULTS = {"lr": 5e-4, "batch_tokens": 4096, "draft_vocab_size": 32768, "init_layers": "0,-1", "minutes": 45.0}
+DRAFT_DEFAULTS = {"lr": 5e-4, "batch_tokens": 4096, "draft_vocab_size": 32768, "init_layers": "0,-1", "minutes": 45.0,
+                  "borrowed_layers": 0}
 
 
 def is_main_process() -> bool:
@@ -76,7 +77,9 @@ def train_draft(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
     recipe = DraftLMRecipe(corpus, vocab, recipe_config)
     say(f"training on {recipe.train_tokens} tokens ({len(recipe.train_examples)} sequences), "
         f"{len(recipe.validation_examples)} validation sequences")
-    model = DraftLM(target, DraftLMConfig(init_layers=init_layers, draft_vocab_size=size), vocab).float()
+    borrowed = int(pick("borrowed_layers"))
+    model = DraftLM(target, DraftLMConfig(init_layers=init_layers, draft_vocab_size=size, borrowed_layers=borrowed),
+                    vocab).to_own(torch.float32)
     steps = getattr(args, "steps", None)
     minutes = None if steps else float(pick("minutes"))
     config = TrainConfig(steps=steps, minutes=minutes, lr=float(pick("lr")), grad_accum=args.grad_accum,

@@ -205,7 +205,7 @@ def train(model: nn.Module, recipe: Recipe, config: TrainConfig, out_dir: str | 
                    "tokens_per_s": round(window_tokens / max(now - window_start, 1e-9), 1)}
             window_tokens, window_start = 0, now
             if config.validate_every and state["step"] % config.validate_every == 0 and not done:
-                row["validation"] = _validate(recipe, model)
+                row["validation"] = _validate(recipe, model, autocast)
             curve.append(row)
             with (out / LOG_NAME).open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
@@ -215,16 +215,16 @@ def train(model: nn.Module, recipe: Recipe, config: TrainConfig, out_dir: str | 
                 _save_state(state_path, model, optimizer, state)
     bar.close()
     if rank == 0:
-        validation = _validate(recipe, model)
+        validation = _validate(recipe, model, autocast)
         with (out / LOG_NAME).open("a") as fh:
             fh.write(json.dumps({"step": state["step"], "final_validation": validation}) + "\n")
     return TrainResult(state["step"], time.perf_counter() - started, state["tokens"], curve, validation)
 
 
-def _validate(recipe: Recipe, model: nn.Module) -> dict[str, Any]:
+def _validate(recipe: Recipe, model: nn.Module, autocast) -> dict[str, Any]:
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast:
             return recipe.validate(model)
     finally:
         model.train()
