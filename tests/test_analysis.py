@@ -192,7 +192,7 @@ def _results() -> dict:
 def test_contender_draft_tokens():
     assert contender_draft_tokens("pld") == ("pld", 10)  # the method's default k
     assert contender_draft_tokens("pld[num_draft_tokens=5,max_ngram_size=2]") == ("pld", 5)
-    assert contender_draft_tokens("draft[drafter=/x]") == ("draft", 5)
+    assert contender_draft_tokens("draft[drafter=/x]") == ("draft", 8)
     for label in ("ar", "hf-pld", "lookahead", "nosuchmethod"):
         assert contender_draft_tokens(label) is None
 

@@ -37,9 +37,9 @@ from specwise.types import DraftContext, Proposal, StepFeedback
 class DraftModelConfig(DraftingConfig):
     """Options of ``draft``."""
 
-    num_draft_tokens: int = 6  # most tokens drafted per step (K)
+    num_draft_tokens: int = 8  # most tokens drafted per step (K)
     drafter: str | None = None  # draft model path (specwise checkpoint, HF directory or .gguf); None = shipped
-    confidence_threshold: float = 0.3  # stop the chain when the draft's top probability is below this; 0 = off
+    confidence_threshold: float = 0.5  # stop the chain when the draft's top probability is below this; 0 = off
 
     def __post_init__(self) -> None:
         super().__post_init__()
