@@ -102,7 +102,7 @@ def test_sliding_window_matters():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_draft_model_same_as_target_accepts_everything(arch, k):
     drafter, result = _run(arch, "long", lambda target, prompt, cont: recording(DraftModelDrafter)(
-        target, DraftModelConfig(num_draft_tokens=k), draft_model=target.model))
+        target, DraftModelConfig(num_draft_tokens=k, confidence_threshold=0.0), draft_model=target.model))
     _all_drafts_accepted(drafter, k)
     assert result.stats.method == "draft"
 
@@ -113,7 +113,7 @@ def test_draft_model_same_as_target_accepts_everything(arch, k):
 def test_draft_model_other_model(arch, prompt_name, k):
     """A differently seeded draft model: mostly rejected, sometimes accepted."""
     drafter, result = _run(arch, prompt_name, lambda target, prompt, cont: recording(DraftModelDrafter)(
-        target, DraftModelConfig(num_draft_tokens=k), draft_model=make_model(arch, seed=1)))
+        target, DraftModelConfig(num_draft_tokens=k, confidence_threshold=0.0), draft_model=make_model(arch, seed=1)))
     assert result.stats.drafted_tokens > 0
     assert result.stats.accepted_tokens < result.stats.drafted_tokens
 
@@ -175,9 +175,9 @@ DRAFTERS = {  # name -> arch -> make_drafter
     "pld": lambda arch: lambda target, prompt, cont: recording(PromptLookupDrafter)(
         target, PromptLookupConfig(num_draft_tokens=4)),
     "draft-same": lambda arch: lambda target, prompt, cont: recording(DraftModelDrafter)(
-        target, DraftModelConfig(num_draft_tokens=4), draft_model=target.model),
+        target, DraftModelConfig(num_draft_tokens=4, confidence_threshold=0.0), draft_model=target.model),
     "draft-other": lambda arch: lambda target, prompt, cont: recording(DraftModelDrafter)(
-        target, DraftModelConfig(num_draft_tokens=4), draft_model=make_model(arch, seed=1)),
+        target, DraftModelConfig(num_draft_tokens=4, confidence_threshold=0.0), draft_model=make_model(arch, seed=1)),
     "oracle-partial": lambda arch: lambda target, prompt, cont: recording(OracleDrafter)(
         cont, len(prompt), 4, mismatch_at=(3, 10)),
 }
@@ -219,7 +219,7 @@ def test_text_prompt_is_tokenized_like_its_ids():
 def test_a_drafter_is_reusable_across_generations(arch):
     """``generate`` resets the drafter: a second prompt must not see the first one's state (e.g. a draft KV cache)."""
     target = make_target(arch, eos=())
-    for make in (lambda: DraftModelDrafter(target, DraftModelConfig(num_draft_tokens=3), draft_model=make_model(arch, 1)),
+    for make in (lambda: DraftModelDrafter(target, DraftModelConfig(num_draft_tokens=3, confidence_threshold=0.0), draft_model=make_model(arch, 1)),
                  lambda: PromptLookupDrafter(target, PromptLookupConfig(num_draft_tokens=3))):
         drafter = make()
         for name in ("long", "short", "repetitive", "long"):

@@ -47,7 +47,7 @@ def exact_joint(model, prompt: list[int], length: int, **sampling) -> np.ndarray
 
 
 def _draft_model(target):
-    return DraftModelDrafter(target, DraftModelConfig(num_draft_tokens=2), draft_model=make_model("llama", 1, V))
+    return DraftModelDrafter(target, DraftModelConfig(num_draft_tokens=2, confidence_threshold=0.0), draft_model=make_model("llama", 1, V))
 
 
 def _draft_lm(target):
@@ -114,9 +114,9 @@ GREEDY_DRAFTERS = {
     "ar": lambda arch, target: dict(method="ar"),
     "pld": lambda arch, target: dict(method="pld", num_draft_tokens=3),
     "draft-same": lambda arch, target: dict(drafter=DraftModelDrafter(
-        target, DraftModelConfig(num_draft_tokens=3), draft_model=target.model)),
+        target, DraftModelConfig(num_draft_tokens=3, confidence_threshold=0.0), draft_model=target.model)),
     "draft-other": lambda arch, target: dict(drafter=DraftModelDrafter(
-        target, DraftModelConfig(num_draft_tokens=3), draft_model=cached_model(arch, 1))),
+        target, DraftModelConfig(num_draft_tokens=3, confidence_threshold=0.0), draft_model=cached_model(arch, 1))),
 }
 
 

@@ -91,7 +91,7 @@ def test_eos_with_built_in_drafters(method, index):
         options = dict(method="pld", num_draft_tokens=5)
     else:
         draft_model = target.model if method == "draft-same" else make_target("llama", seed=1).model
-        options = dict(drafter=DraftModelDrafter(target, DraftModelConfig(num_draft_tokens=5), draft_model=draft_model))
+        options = dict(drafter=DraftModelDrafter(target, DraftModelConfig(num_draft_tokens=5, confidence_threshold=0.0), draft_model=draft_model))
     result = specwise.generate(target, list(prompt), max_new_tokens=30, **options)
     assert result.token_ids == list(continuation[:index + 1])
     assert result.stop_reason == "eos"
@@ -117,7 +117,7 @@ def test_exactly_max_new_tokens(k, max_new_tokens, drafter_kind):
     if drafter_kind == "oracle":
         drafter = recording(OracleDrafter)(continuation, len(prompt), k)
     else:
-        drafter = recording(DraftModelDrafter)(target, DraftModelConfig(num_draft_tokens=k), draft_model=target.model)
+        drafter = recording(DraftModelDrafter)(target, DraftModelConfig(num_draft_tokens=k, confidence_threshold=0.0), draft_model=target.model)
     result = specwise.generate(target, prompt, drafter=drafter, max_new_tokens=max_new_tokens)
     assert result.token_ids == list(continuation[:max_new_tokens])
     assert result.stop_reason == "length"
