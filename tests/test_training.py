@@ -440,3 +440,14 @@ def test_hf_assisted_peer_runs_a_specwise_draft_lm(tmp_path):
     assert peer.run(prompt, 8).token_ids == reference_greedy(target.model, prompt, 8)
     with pytest.raises(DrafterError, match="no draft LM ships"):
         load_assistant(target, "default")
+
+
+def test_cli_draft_without_a_drafter_uses_the_shipped_one_or_fails_fast(capsys):
+    from specwise.cli import main
+    from specwise.drafters.draft_model import shipped_drafter
+
+    assert shipped_drafter("gemma-3-270m", "draft") is not None  # the default for the default target
+    assert main(["generate", "--target", "/nonexistent/model", "--method", "draft", "hi"]) == 2
+    assert "needs a draft model for /nonexistent/model" in capsys.readouterr().err
+    assert main(["generate", "--method", "draft", "--drafter", "/nonexistent/draft", "hi"]) == 2
+    assert "/nonexistent/draft does not exist" in capsys.readouterr().err

@@ -77,8 +77,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = specwise.METHODS.get(args.method)
     options = method_options(args)
     config = spec.make_config(**options)
-    if args.method == "draft" and getattr(config, "drafter", None) is None:
-        raise specwise.errors.DrafterError("method 'draft' needs a draft model: pass --drafter PATH.")
+    if args.method == "draft":  # fail before the (slower) target load
+        from pathlib import Path
+
+        from specwise.drafters.draft_model import shipped_drafter
+
+        if config.drafter is None and shipped_drafter(args.target, "draft") is None:
+            raise specwise.errors.DrafterError(
+                f"method 'draft' needs a draft model for {args.target}: pass --drafter PATH "
+                "(one ships only for gemma-3-270m).")
+        if config.drafter is not None and not Path(config.drafter).exists():
+            raise specwise.errors.DrafterError(f"the draft model {config.drafter} does not exist.")
     specwise.target.resolve_device(args.device)
     target = specwise.load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
     streamer = None

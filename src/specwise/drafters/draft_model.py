@@ -93,10 +93,11 @@ class _DraftLMStep:
 
 
 def shipped_drafter(target, method: str) -> Path | None:
-    """The drafter of ``method`` that ships with specwise for ``target`` (by name), if any."""
+    """The drafter of ``method`` that ships with specwise for ``target`` (a Target, or its name), if any."""
     from importlib.resources import files
 
-    path = Path(str(files("specwise").joinpath(f"data/drafters/{target.name}/{method}")))
+    name = target if isinstance(target, str) else target.name
+    path = Path(str(files("specwise").joinpath(f"data/drafters/{name}/{method}")))
     return path if (path / "config.json").is_file() else None
 
 
