@@ -317,7 +317,8 @@ def test_a_drafter_for_another_target_is_refused_naming_both(tmp_path):
     other = make_target("llama", vocab_size=120)
     other.name = "other-model"
     with pytest.raises(DrafterError, match=r"trained for target 'tiny-llama-0'.*target is 'other-model'"):
-        load_drafter(tmp_path / "d", other)
+        specwise.load_drafter(tmp_path / "d", other)
+    assert isinstance(specwise.load_drafter(tmp_path / "d", target, num_draft_tokens=3), DraftModelDrafter)
     with pytest.raises(DrafterError, match="trained for target"):
         specwise.generate(other, [5, 6, 7], method="draft", drafter=str(tmp_path / "d"), max_new_tokens=2)
     with pytest.raises(DrafterError, match="float32 on cpu but the target"):

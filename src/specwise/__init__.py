@@ -7,6 +7,7 @@
 """
 
 from specwise.api import build_drafter, generate
+from specwise.checkpoint import load_drafter
 from specwise.drafters import METHODS, Drafter, register_drafter
 from specwise.errors import SpecwiseError
 from specwise.sampling import SamplingConfig
@@ -15,5 +16,5 @@ from specwise.types import GenerationResult, Proposal, SpecStats
 
 __all__ = [
     "METHODS", "Drafter", "GenerationResult", "Proposal", "SamplingConfig", "SpecStats",
-    "SpecwiseError", "Target", "build_drafter", "generate", "load_target", "register_drafter",
+    "SpecwiseError", "Target", "build_drafter", "generate", "load_drafter", "load_target", "register_drafter",
 ]
