@@ -75,8 +75,10 @@ class _HFDraft:
         self.model = model
 
     def next_logits(self, feed: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        # shape: feed [n] -> [V]
-        return self.model(input_ids=feed[None], cache=cache.hf_cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        # shape: feed [n] -> [V]. An index tensor, not logits_to_keep=1: see Target.forward (the int
+        # sends torch's linear down a path that copies the whole LM head)
+        last = torch.tensor([feed.numel() - 1], device=feed.device)
+        return self.model(input_ids=feed[None], cache=cache.hf_cache, use_cache=True, logits_to_keep=last).logits[0, -1]
 
 
 class _DraftLMStep:
@@ -88,8 +90,7 @@ class _DraftLMStep:
 
     def next_logits(self, feed: torch.Tensor, cache: KVCache) -> torch.Tensor:
         # shape: feed [n] -> [Vd]
-        hidden = self.model.hidden(feed[None], cache=cache.hf_cache)[0, -1]
-        return self.model._borrowed.head @ hidden
+        return self.model.next_logits(feed, cache.hf_cache)
 
 
 def shipped_drafter(target, method: str) -> Path | None:

@@ -110,10 +110,6 @@ class DraftLM(nn.Module):
         head = target.model.get_output_embeddings().weight
         self._borrowed = _Borrowed(target.model.get_input_embeddings(), head[vocab.to(head.device)].detach())
 
-    @property
-    def hidden_size(self) -> int:
-        return int(self.decoder_config.hidden_size)
-
     def forward(self, input_ids: torch.Tensor, cache=None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits over the draft vocabulary.
 
@@ -127,6 +123,11 @@ class DraftLM(nn.Module):
         """
         hidden = self.hidden(input_ids, cache, position_ids)
         return hidden @ self._borrowed.head.to(hidden.dtype).T
+
+    def next_logits(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
+        """Decoding step: feed ``[n]`` new tokens through ``cache``; logits ``[Vd]`` of the last one only
+        (the output layer runs on one row, not n)."""
+        return self._borrowed.head @ self.hidden(input_ids[None], cache)[0, -1]
 
     def hidden(self, input_ids: torch.Tensor, cache=None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The final (normed) hidden states ``[B, T, H]``."""

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from specwise.checkpoint import DrafterCheckpoint, save_checkpoint, target_fingerprint
-from specwise.training.trainer import LOG_NAME, TrainConfig, config_dict, train
+from specwise.training.trainer import LOG_NAME, TrainConfig, config_dict, join_process_group, train
 
 DRAFT_DEFAULTS = {"lr": 5e-4, "batch_tokens": 4096, "draft_vocab_size": 32768, "init_layers": "0,-1", "minutes": 45.0,
                   "borrowed_layers": 0}
@@ -31,13 +31,10 @@ def is_main_process() -> bool:
 def main_process_first():
     """Run the block's work on rank 0 only (``yield`` tells whether this process does it); the
     other ranks wait at a barrier until it is done. Joins the process group under ``torchrun``."""
-    import os
-
     import torch.distributed as dist
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
-    yield is_main_process()
+    rank, _ = join_process_group()
+    yield rank == 0
     if dist.is_initialized():
         dist.barrier()
 

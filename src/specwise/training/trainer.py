@@ -101,7 +101,8 @@ def learning_rate(step: int, total: int, config: TrainConfig) -> float:
     return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _distributed() -> tuple[int, int]:
+def join_process_group() -> tuple[int, int]:
+    """``(rank, world size)``; under torchrun (``WORLD_SIZE`` > 1) joins the gloo group first."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -132,7 +133,7 @@ def train(model: nn.Module, recipe: Recipe, config: TrainConfig, out_dir: str | 
     """
     from tqdm import tqdm
 
-    rank, world = _distributed()
+    rank, world = join_process_group()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     params = [p for p in model.parameters() if p.requires_grad]
