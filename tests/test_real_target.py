@@ -1,5 +1,5 @@
-"""The real gemma-3-270m target (float32, CPU): pld, lookahead and the shipped draft LM decode exactly
-the greedy tokens.
+"""The real gemma-3-270m target (float32, CPU): pld, lookahead and the shipped drafters (draft LM,
+EAGLE head) decode exactly the greedy tokens.
 
 Marked ``slow``: the first load converts the packaged GGUF file once (about a minute), later loads
 take seconds. Deselect with ``-m "not slow"``.
@@ -33,7 +33,7 @@ def greedy_reference(target):
     return {name: specwise.generate(target, prompt, method="ar", max_new_tokens=NEW) for name, prompt in PROMPTS.items()}
 
 
-@pytest.mark.parametrize("method", ["pld", "lookahead", "draft"])  # draft: the shipped draft LM
+@pytest.mark.parametrize("method", ["pld", "lookahead", "draft", "eagle"])  # draft, eagle: the shipped drafters
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_speculative_methods_match_autoregressive(target, greedy_reference, prompt_name, method):
     ar = greedy_reference[prompt_name]
@@ -55,3 +55,5 @@ def test_tree_verification_past_the_sliding_window(target, greedy_reference):
     assert lookahead.token_ids == ar.token_ids
     draft = specwise.generate(target, prompt, method="draft", max_new_tokens=24)  # its 5th layer is global
     assert draft.token_ids == ar.token_ids
+    eagle = specwise.generate(target, prompt, method="eagle", max_new_tokens=24)  # dynamic trees, windowed mask
+    assert eagle.token_ids == ar.token_ids

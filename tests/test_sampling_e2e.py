@@ -63,7 +63,21 @@ def _draft_lm(target):
                              draft_model=model.eval().requires_grad_(False))
 
 
+def _eagle(target):
+    """An EAGLE head over a reduced vocabulary (6 of 8 tokens) drafting a dynamic tree with siblings."""
+    from specwise.drafters.eagle import EagleDrafter, EagleDrafterConfig
+    from specwise.models.eagle import EagleConfig, EagleHead
+
+    torch.manual_seed(5)
+    config = EagleConfig(feature_layers=(0, 2), draft_vocab_size=6, num_heads=2, head_dim=8, intermediate_size=16)
+    head = EagleHead(target, config, torch.tensor([4, 3, 5, 6, 0, 2])).double()
+    return EagleDrafter(target, EagleDrafterConfig(depth=2, top_k=2, total_tokens=4),
+                        head=head.eval().requires_grad_(False))
+
+
 CONFIGS = {
+    "eagle-tree-t0.9": (_eagle, 3, dict(temperature=0.9)),
+    "eagle-tree-topk-topp-penalty": (_eagle, 3, dict(temperature=1.0, top_k=5, top_p=0.9, repetition_penalty=1.3)),
     "draft-lm-reduced-vocab-t0.9": (_draft_lm, 3, dict(temperature=0.9)),
     "draft-lm-reduced-vocab-topk-penalty": (_draft_lm, 3, dict(temperature=1.0, top_k=5, repetition_penalty=1.3)),
     # name: (drafter factory or method name, max_new_tokens, sampling options)

@@ -419,6 +419,15 @@ def test_cli_builds_trains_and_generates_end_to_end(tmp_path):
     assert generated.returncode == 0, generated.stderr
     ids = target.encode("t5 t9 t11")
     assert json.loads(generated.stdout)["token_ids"] == reference_greedy(target.model.float(), ids.cpu(), 6)
+    eagle = run("train", "eagle", *common, "--data", str(tmp_path / "corpus"), "--out", str(tmp_path / "eagle"),
+                "--steps", "3", "--draft-vocab-size", "64", "--batch-tokens", "64", "--top-k", "4", "--ttt-steps", "2")
+    assert eagle.returncode == 0, eagle.stderr
+    assert json.loads((tmp_path / "eagle" / "config.json").read_text())["architecture"]["feature_layers"] == [0, 1, 2]
+    assert (tmp_path / "corpus" / "features-eagle-0-1-2").is_dir()  # beside the draft recipe's features
+    generated = run("generate", *common, "--method", "eagle", "--drafter", str(tmp_path / "eagle"), "--json",
+                    "--max-new-tokens", "6", "t5 t9 t11")
+    assert generated.returncode == 0, generated.stderr
+    assert json.loads(generated.stdout)["token_ids"] == reference_greedy(target.model.float(), ids.cpu(), 6)
     exported = run("export-hf", str(tmp_path / "draft"), *common[:2], "--out", str(tmp_path / "hf"))
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "hf" / "config.json").exists()
@@ -452,3 +461,5 @@ def test_cli_draft_without_a_drafter_uses_the_shipped_one_or_fails_fast(capsys):
     assert "needs a draft model for /nonexistent/model" in capsys.readouterr().err
     assert main(["generate", "--method", "draft", "--drafter", "/nonexistent/draft", "hi"]) == 2
     assert "/nonexistent/draft does not exist" in capsys.readouterr().err
+    assert main(["generate", "--target", "/nonexistent/model", "--method", "eagle", "hi"]) == 2
+    assert "method 'eagle' needs a trained drafter for /nonexistent/model" in capsys.readouterr().err

@@ -20,7 +20,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--target", default=DEFAULT_TARGET, help="alias (gemma-3-270m), HF model directory or .gguf file")
     p.add_argument("--method", default="ar", help="drafting method: ar, pld, draft, ... (default ar)")
-    p.add_argument("--drafter", default=None, help="drafter weights / draft model path (for --method draft)")
+    p.add_argument("--drafter", default=None, help="trained drafter directory or draft model path (draft, eagle; default: the shipped one)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="draft tokens verified per step (K)")
     p.add_argument("--max-ngram-size", type=int, default=None, help="pld: longest n-gram to match")
     p.add_argument("--min-ngram-size", type=int, default=None, help="pld: shortest n-gram to match")
@@ -77,17 +77,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = specwise.METHODS.get(args.method)
     options = method_options(args)
     config = spec.make_config(**options)
-    if args.method == "draft":  # fail before the (slower) target load
+    if hasattr(config, "drafter"):  # a trained drafter: fail before the (slower) target load
         from pathlib import Path
 
         from specwise.drafters.draft_model import shipped_drafter
 
-        if config.drafter is None and shipped_drafter(args.target, "draft") is None:
+        if config.drafter is None and shipped_drafter(args.target, args.method) is None:
+            what = "a draft model" if args.method == "draft" else "a trained drafter"
             raise specwise.errors.DrafterError(
-                f"method 'draft' needs a draft model for {args.target}: pass --drafter PATH "
+                f"method {args.method!r} needs {what} for {args.target}: pass --drafter PATH "
                 "(one ships only for gemma-3-270m).")
         if config.drafter is not None and not Path(config.drafter).exists():
-            raise specwise.errors.DrafterError(f"the draft model {config.drafter} does not exist.")
+            raise specwise.errors.DrafterError(f"the drafter {config.drafter} does not exist.")
     specwise.target.resolve_device(args.device)
     target = specwise.load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
     streamer = None

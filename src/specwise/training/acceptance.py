@@ -79,3 +79,35 @@ def replay_chain(agree: torch.Tensor, num_draft_tokens: int, into: ChainAcceptan
         stats.tokens += emitted
         pos += emitted
     return stats
+
+
+def replay_depths(matches: torch.Tensor, into: ChainAcceptance) -> ChainAcceptance:
+    """Replay greedy chain decoding for a drafter whose j-th draft token depends on its own earlier
+    steps (EAGLE, DFlash): agreement is given per root and depth.
+
+    Args:
+        matches: ``[N, K]`` bool; ``matches[r, j]`` is True when, with root r (the first generated
+            token r = 0 included), the drafter's teacher-forced draft j equals generated token r+j+1.
+            Teacher forcing equals decoding here because a draft is only verified when every
+            earlier one agreed.
+        into: statistics to add to (``into.num_draft_tokens`` <= K).
+
+    Returns:
+        ``into``.
+    """
+    k = into.num_draft_tokens
+    flags = matches[:, :k].tolist()
+    root, n = 0, len(flags)
+    while root + 1 < n:  # generated tokens after the root remain
+        run = 0
+        while run < k and root + run + 1 < n and flags[root][run]:
+            into.reached[run] += 1
+            into.accepted[run] += 1
+            run += 1
+        if run < k and root + run + 1 < n:
+            into.reached[run] += 1
+        into.steps += 1
+        emitted = min(run + 1, n - 1 - root)
+        into.tokens += emitted
+        root += emitted
+    return into

@@ -23,8 +23,7 @@ from torch import nn
 
 from specwise.errors import ConfigError
 from specwise.training.acceptance import ChainAcceptance, replay_chain
-from specwise.training.corpus import SHARD_GLOB, read_shard
-from specwise.training.features import read_features
+from specwise.training.features import iter_labelled
 from specwise.training.trainer import Recipe
 
 
@@ -46,6 +45,7 @@ class _Example:
     top_probs: torch.Tensor  # shape: [T, k] float32, renormalized target probabilities
     prompt_length: int
     mode: str
+    hidden: torch.Tensor | None = None  # shape: [T, F*H] bf16 target features, for recipes that use them
 
 
 def is_validation(seq_id: str, every: int) -> bool:
@@ -61,39 +61,26 @@ class DraftLMRecipe(Recipe):
         corpus_dir: corpus with features (``features-*.safetensors``).
         vocab: ``[Vd]`` int64 draft vocabulary (target ids) the features were made with.
         config: :class:`DraftRecipeConfig`.
+        hidden_layers: target hidden states to load with each sequence (recipes of heads that read
+            target features subclass this one).
+        features_dir: where the features are (default: the corpus directory).
 
     Raises:
         ConfigError: the corpus has no shards or no features, or too little data.
     """
 
-    def __init__(self, corpus_dir, vocab: torch.Tensor, config: DraftRecipeConfig = DraftRecipeConfig()) -> None:
-        from pathlib import Path
-
+    def __init__(self, corpus_dir, vocab: torch.Tensor, config: DraftRecipeConfig = DraftRecipeConfig(),
+                 hidden_layers: tuple[int, ...] = (), features_dir=None) -> None:
         self.config = config
         self.vocab = vocab.clone().long()
-        index_of = torch.full((int(vocab.max()) + 1,), -1, dtype=torch.long)
-        index_of[vocab] = torch.arange(vocab.numel())
         self.train_examples: list[_Example] = []
         self.validation_examples: list[_Example] = []
-        shards = sorted(Path(corpus_dir).glob(SHARD_GLOB))
-        if not shards:
-            raise ConfigError(f"{corpus_dir} holds no corpus shards.")
-        for shard in shards:
-            features = read_features(corpus_dir, shard.name)
-            offset = 0
-            for seq in read_shard(shard):
-                n = seq.tokens.numel()
-                top_ids = features["top_ids"][offset: offset + n].long()
-                top_index = index_of[top_ids.clamp_max(index_of.numel() - 1)]
-                if bool((top_index < 0).any()):
-                    raise ConfigError(f"features of {shard.name} use ids outside the draft vocabulary.")
-                probs = torch.softmax(features["top_logprobs"][offset: offset + n].float(), dim=-1)
-                offset += n
-                example = _Example(seq.tokens, top_index, probs, seq.prompt_length, seq.mode)
-                if is_validation(seq.id, config.validation_every):
-                    self.validation_examples.append(example)
-                else:
-                    self.train_examples.append(example)
+        for seq in iter_labelled(corpus_dir, vocab, hidden_layers, features_dir):
+            example = _Example(seq.tokens, seq.top_index, seq.top_probs, seq.prompt_length, seq.mode, seq.hidden)
+            if is_validation(seq.id, config.validation_every):
+                self.validation_examples.append(example)
+            else:
+                self.train_examples.append(example)
         if not self.train_examples:
             raise ConfigError(f"{corpus_dir} has no training sequences.")
         self.windows = []  # (example index, start, length)

@@ -82,6 +82,7 @@ def extract_features(
     config: FeatureConfig = FeatureConfig(),
     *,
     progress: Callable[[str], None] | None = None,
+    features_dir: str | Path | None = None,
 ) -> Path:
     """Label every corpus position with the target's top-k over ``vocab`` (and hidden states).
 
@@ -94,23 +95,27 @@ def extract_features(
         vocab: ``[Vd]`` int64 draft vocabulary (target ids).
         config: :class:`FeatureConfig`.
         progress: ``callable(str)`` for progress lines.
+        features_dir: where the features go (default: beside the shards). Recipes that need other
+            features than an earlier run (e.g. hidden states) use their own directory.
 
     Returns:
-        the corpus directory.
+        the features directory.
 
     Raises:
         ConfigError: the corpus already has features made with another vocabulary or layers.
     """
     corpus = Path(corpus_dir)
+    where = Path(features_dir) if features_dir is not None else corpus
+    where.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda message: None)
     meta = {"top_k": config.top_k, "hidden_layers": list(config.hidden_layers), "vocab_size": int(vocab.numel())}
-    meta_path = corpus / "features.json"
-    vocab_path = corpus / "draft_vocab.safetensors"
+    meta_path = where / "features.json"
+    vocab_path = where / "draft_vocab.safetensors"
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
         old_vocab = load_file(str(vocab_path))["vocab"] if vocab_path.exists() else None
         if old != meta or old_vocab is None or not torch.equal(old_vocab, vocab.cpu()):
-            raise ConfigError(f"{corpus} already has features with other settings ({old}); delete features-* to redo them.")
+            raise ConfigError(f"{where} already has features with other settings ({old}); delete features-* to redo them.")
     save_file({"vocab": vocab.cpu().contiguous()}, str(vocab_path))
     meta_path.write_text(json.dumps(meta))
     model = target.model.get_decoder()
@@ -118,7 +123,7 @@ def extract_features(
     shards = sorted(corpus.glob(SHARD_GLOB))
     started, done_tokens = time.perf_counter(), 0
     for number, shard in enumerate(shards):
-        out_path = shard.with_name(shard.name.replace("shard-", "features-"))
+        out_path = where / shard.name.replace("shard-", "features-")
         if out_path.exists():
             continue
         seqs = read_shard(shard)
@@ -155,7 +160,7 @@ def extract_features(
         elapsed = time.perf_counter() - started
         rate = done_tokens / max(elapsed, 1e-9)
         say(f"features {number + 1}/{len(shards)}  {done_tokens} tokens  {rate:.0f} tok/s  elapsed {elapsed / 60:.1f} min")
-    return corpus
+    return where
 
 
 def _length_groups(order: list[int], seqs, config: FeatureConfig):
@@ -170,14 +175,80 @@ def _length_groups(order: list[int], seqs, config: FeatureConfig):
         yield group
 
 
-def read_features(corpus_dir: str | Path, shard_name: str) -> dict[str, torch.Tensor]:
+def read_features(features_dir: str | Path, shard_name: str) -> dict[str, torch.Tensor]:
     """The features of one corpus shard (``shard-NNNNN.safetensors``), flat over its tokens.
+
+    Args:
+        features_dir: the directory :func:`extract_features` wrote to (the corpus, by default).
 
     Raises:
         ConfigError: the shard has no features yet.
     """
-    path = Path(corpus_dir) / shard_name.replace("shard-", "features-")
+    path = Path(features_dir) / shard_name.replace("shard-", "features-")
     if not path.exists():
         raise ConfigError(f"{path} is missing; run the features pass (specwise train does it first).")
     with safe_open(str(path), framework="pt") as fh:
         return {key: fh.get_tensor(key) for key in fh.keys()}
+
+
+@dataclass(frozen=True)
+class LabelledSequence:
+    """One corpus sequence with its target features, as recipes read them.
+
+    Attributes:
+        id: the prompt id (validation splits hash it).
+        mode: ``"greedy"``, ``"sampled"`` or ``"text"`` (how the continuation was written).
+        prompt_length: tokens before the target-written part.
+        tokens: ``[T]`` long.
+        top_index: ``[T, k]`` long, draft-vocabulary indices of the target's top-k at each position.
+        top_probs: ``[T, k]`` float32, the target's top-k probabilities renormalized over them.
+        hidden: ``[T, F*H]`` bf16, the requested hidden states concatenated in the order asked
+            (``None`` when none were asked for).
+    """
+
+    id: str
+    mode: str
+    prompt_length: int
+    tokens: torch.Tensor
+    top_index: torch.Tensor
+    top_probs: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+def iter_labelled(corpus_dir: str | Path, vocab: torch.Tensor, hidden_layers: tuple[int, ...] = (),
+                  features_dir: str | Path | None = None):
+    """Every corpus sequence with its features (:class:`LabelledSequence`), shard by shard.
+
+    Args:
+        corpus_dir: a corpus with features.
+        vocab: ``[Vd]`` int64 draft vocabulary the features were made with.
+        hidden_layers: hidden-state indices to return concatenated (they must have been extracted).
+        features_dir: where the features are (default: the corpus directory).
+
+    Raises:
+        ConfigError: no shards, missing features or hidden states, or ids outside ``vocab``.
+    """
+    corpus = Path(corpus_dir)
+    shards = sorted(corpus.glob(SHARD_GLOB))
+    if not shards:
+        raise ConfigError(f"{corpus} holds no corpus shards.")
+    index_of = torch.full((int(vocab.max()) + 1,), -1, dtype=torch.long)
+    index_of[vocab] = torch.arange(vocab.numel())
+    for shard in shards:
+        features = read_features(features_dir if features_dir is not None else corpus, shard.name)
+        missing = [i for i in hidden_layers if f"hidden_{i}" not in features]
+        if missing:
+            raise ConfigError(f"{shard.name} has no hidden states of layer {missing[0]}; extract features with "
+                              f"hidden_layers={list(hidden_layers)} into a fresh corpus directory.")
+        hidden = torch.cat([features[f"hidden_{i}"] for i in hidden_layers], dim=-1) if hidden_layers else None
+        offset = 0
+        for seq in read_shard(shard):
+            n = seq.tokens.numel()
+            top_ids = features["top_ids"][offset: offset + n].long()
+            top_index = index_of[top_ids.clamp_max(index_of.numel() - 1)]
+            if bool((top_index < 0).any()):
+                raise ConfigError(f"features of {shard.name} use ids outside the draft vocabulary.")
+            probs = torch.softmax(features["top_logprobs"][offset: offset + n].float(), dim=-1)
+            part = None if hidden is None else hidden[offset: offset + n]
+            offset += n
+            yield LabelledSequence(seq.id, seq.mode, seq.prompt_length, seq.tokens, top_index, probs, part)

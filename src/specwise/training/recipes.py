@@ -39,15 +39,18 @@ def main_process_first():
         dist.barrier()
 
 
-def choose_vocabulary(target, corpus: Path, size: int, say: Callable[[str], None]) -> torch.Tensor:
-    """The corpus's draft vocabulary: reuse the one its features were made with, else count tokens."""
+def choose_vocabulary(target, corpus: Path, size: int, say: Callable[[str], None],
+                      features_dir: Path | None = None) -> torch.Tensor:
+    """The corpus's draft vocabulary: reuse the one its features were made with (in ``features_dir``,
+    then beside the shards), else count tokens."""
     from specwise.training.features import draft_vocabulary, token_frequencies, vocabulary_coverage
 
-    stored = corpus / "draft_vocab.safetensors"
-    if stored.exists():
-        vocab = load_file(str(stored))["vocab"]
-        if vocab.numel() == size:
-            return vocab
+    for place in (features_dir, corpus):
+        stored = place / "draft_vocab.safetensors" if place is not None else None
+        if stored is not None and stored.exists():
+            vocab = load_file(str(stored))["vocab"]
+            if vocab.numel() == size:
+                return vocab
     counts = token_frequencies(corpus, target.vocab_size)
     vocab = draft_vocabulary(counts, size, always=tuple(sorted(target.eos_token_ids)))
     say(f"draft vocabulary: {size} tokens cover {vocabulary_coverage(counts, vocab):.2%} of the corpus")
@@ -82,7 +85,6 @@ def train_draft(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
     config = TrainConfig(steps=steps, minutes=minutes, lr=float(pick("lr")), grad_accum=args.grad_accum,
                          seed=args.seed, validate_every=args.validate_every)
     result = train(model, recipe, config, out / "trainer")
-    tensors = {**model.trainable_state_dict(), "draft_vocab": vocab.to(torch.int32)}
     recipe_record = {
         "recipe": "draft-lm distillation (soft cross-entropy on target top-k, draft vocabulary)",
         "corpus": json.loads((corpus / "corpus.json").read_text()) if (corpus / "corpus.json").exists() else {},
@@ -91,16 +93,75 @@ def train_draft(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
         "top_k": args.top_k, "data": dataclasses.asdict(recipe_config),
         "optimizer": config_dict(config), "log": f"trainer/{LOG_NAME}",
     }
+    _write_checkpoint("draft", model, {**model.trainable_state_dict(), "draft_vocab": vocab.to(torch.int32)},
+                      target, out, recipe_record, result, say)
+    return out
+
+
+EAGLE_DEFAULTS = {"lr": 6e-4, "batch_tokens": 4096, "draft_vocab_size": 16384, "minutes": 45.0, "ttt_steps": 3,
+                  "max_length": 1024}
+
+
+def train_eagle(target, corpus: Path, out: Path, args: argparse.Namespace, say: Callable[[str], None]) -> Path:
+    """Train an EAGLE-3 head (:mod:`specwise.training.eagle_recipe`) and write its checkpoint to ``out``.
+
+    The features (target top-k and the hidden states of the head's feature layers) go to
+    ``<corpus>/features-eagle-<layers>/`` so they never clash with another recipe's features.
+    """
+    from specwise.models.eagle import EagleConfig, EagleHead, default_feature_layers
+    from specwise.training.eagle_recipe import EagleRecipe, EagleRecipeConfig
+    from specwise.training.features import FeatureConfig, extract_features
+
+    pick = lambda name: getattr(args, name, None) if getattr(args, name, None) is not None else EAGLE_DEFAULTS[name]  # noqa: E731
+    size = int(pick("draft_vocab_size"))
+    num_layers = int(target.model.config.get_text_config().num_hidden_layers)
+    layers = tuple(int(x) for x in args.feature_layers.split(",")) if getattr(args, "feature_layers", None) \
+        else default_feature_layers(num_layers)
+    features_dir = corpus / ("features-eagle-" + "-".join(str(i) for i in layers))
+    started = time.perf_counter()
+    with main_process_first() as is_main:
+        if is_main:
+            vocab = choose_vocabulary(target, corpus, size, say, features_dir)
+            extract_features(target, corpus, vocab, FeatureConfig(top_k=args.top_k, hidden_layers=layers),
+                             progress=say, features_dir=features_dir)
+    vocab = load_file(str(features_dir / "draft_vocab.safetensors"))["vocab"]
+    feature_minutes = (time.perf_counter() - started) / 60
+    max_length = int(pick("max_length"))
+    recipe_config = EagleRecipeConfig(batch_tokens=int(pick("batch_tokens")), max_length=max_length,
+                                      ttt_steps=int(pick("ttt_steps")))
+    recipe = EagleRecipe(corpus, vocab, layers, recipe_config, features_dir)
+    say(f"training on {recipe.train_tokens} tokens ({len(recipe.train_examples)} sequences), "
+        f"{len(recipe.validation_examples)} validation sequences, feature layers {list(layers)}")
+    model = EagleHead(target, EagleConfig(feature_layers=layers, draft_vocab_size=size, window=max_length), vocab)
+    steps = getattr(args, "steps", None)
+    minutes = None if steps else float(pick("minutes"))
+    config = TrainConfig(steps=steps, minutes=minutes, lr=float(pick("lr")), grad_accum=args.grad_accum,
+                         seed=args.seed, validate_every=args.validate_every)
+    result = train(model, recipe, config, out / "trainer")
+    recipe_record = {
+        "recipe": "EAGLE-3 training-time test (soft cross-entropy on target top-k, draft vocabulary)",
+        "corpus": json.loads((corpus / "corpus.json").read_text()) if (corpus / "corpus.json").exists() else {},
+        "train_tokens_per_epoch": recipe.train_tokens, "tokens_seen": result.tokens, "steps": result.steps,
+        "train_minutes": round(result.seconds / 60, 1), "feature_minutes": round(feature_minutes, 1),
+        "top_k": args.top_k, "data": dataclasses.asdict(recipe_config),
+        "optimizer": config_dict(config), "log": f"trainer/{LOG_NAME}",
+    }
+    _write_checkpoint("eagle", model, {**model.trainable_state_dict(), "draft_vocab": vocab.to(torch.int32)},
+                      target, out, recipe_record, result, say)
+    return out
+
+
+def _write_checkpoint(method, model, tensors, target, out: Path, recipe_record, result, say) -> None:
+    """Rank 0 writes the checkpoint and the training curve."""
     if not is_main_process():
-        return out
-    checkpoint = DrafterCheckpoint("draft", model.architecture(), target.name, target_fingerprint(target),
+        return
+    checkpoint = DrafterCheckpoint(method, model.architecture(), target.name, target_fingerprint(target),
                                    tensors, recipe_record, {"validation": result.validation})
     save_checkpoint(checkpoint, out)
     from specwise.training.plots import plot_training_curve
 
     plot_training_curve(out / "trainer" / LOG_NAME, out / "training_curve.png")
     say(f"validation: {result.validation}")
-    return out
 
 
-RECIPES: dict[str, Callable] = {"draft": train_draft}
+RECIPES: dict[str, Callable] = {"draft": train_draft, "eagle": train_eagle}

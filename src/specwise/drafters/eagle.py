@@ -1,0 +1,220 @@
+"""``eagle``: an EAGLE-3 head drafts an EAGLE-2 dynamic tree (Li et al. 2024, 2025; ALGORITHMS.md §4).
+
+Per step:
+
+1. **Catch up.** The head's KV cache gets one entry per position the target committed last step,
+   each from the target's fused features there and the token that follows (the accepted drafts
+   and the new root). Speculative entries of the last tree are never kept, so the head's cache
+   and features follow exactly the accepted path.
+2. **Expand.** The root's output gives the depth-1 candidates: the ``top_k`` draft-vocabulary
+   tokens, scored by log-probability. Then for each further level, the ``top_k`` best nodes of the
+   previous level by cumulative score (the sum of log-probabilities along the path, which
+   approximates the log of the path's acceptance probability) run through the head as one batch,
+   each attending to the committed cache and its own ancestors, and each proposes its ``top_k``
+   children. ``depth`` levels take ``depth`` head forwards.
+3. **Rerank.** The ``total_tokens`` best nodes of all levels form the tree. Scores never increase
+   along a path, and ties go to the earlier-created node, so this set always contains every
+   selected node's ancestors.
+
+The tree is a deterministic function of the context, so each node's proposal distribution is a
+point mass: greedy verification follows the target's argmax, and sampling uses recursive rejection
+with delta proposals (ALGORITHMS.md §2.4), which is exact. The draft vocabulary only limits which
+tokens can be proposed.
+
+Long contexts: the head attends to at most ``window`` committed entries (rotary positions are
+relative), so a prompt or generation of any length keeps working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specwise.drafters.base import Drafter, MethodConfig, register_drafter
+from specwise.errors import ConfigError, DrafterError
+from specwise.models.eagle import EagleConfig, EagleHead, HeadCache
+from specwise.types import DraftContext, Proposal, StepFeedback
+
+
+@dataclass(frozen=True)
+class EagleDrafterConfig(MethodConfig):
+    """Options of ``eagle`` (the dynamic tree's budget)."""
+
+    drafter: str | None = None  # EAGLE head directory; None = the one shipped for the target
+    depth: int = 6  # tree levels below the root (head forwards per step)
+    top_k: int = 8  # children per expanded node, and nodes expanded per level
+    total_tokens: int = 24  # draft nodes verified per step (the root excluded)
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "top_k", "total_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
+
+
+def load_eagle_head(path, target) -> EagleHead:
+    """Load an EAGLE head checkpoint for ``target`` (in the target's dtype and device).
+
+    Raises:
+        DrafterError: not an EAGLE checkpoint, trained for another target, or weights that do not fit.
+    """
+    from specwise.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(path, target, method="eagle")
+    arch = dict(ckpt.architecture)
+    arch["feature_layers"] = tuple(arch.get("feature_layers", ()))
+    try:
+        config = EagleConfig(**arch)
+    except TypeError as exc:
+        raise DrafterError(f"the EAGLE head in {path} has an unknown architecture ({exc}).") from None
+    if "draft_vocab" not in ckpt.tensors:
+        raise DrafterError(f"the EAGLE head in {path} has no draft vocabulary table.")
+    head = EagleHead(target, config, ckpt.tensors["draft_vocab"].long(), init_from_target=False)
+    weights = {k: v for k, v in ckpt.tensors.items() if k != "draft_vocab"}
+    missing, unexpected = head.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise DrafterError(f"the weights in {path} do not fit the EAGLE head (missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}).")
+    return head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+
+
+@register_drafter("eagle", EagleDrafterConfig, "EAGLE-3 head on the target's features, EAGLE-2 dynamic draft tree")
+class EagleDrafter(Drafter):
+    """EAGLE-3 drafting with EAGLE-2 dynamic trees.
+
+    Args:
+        target: the :class:`specwise.target.Target`.
+        config: :class:`EagleDrafterConfig`; ``config.drafter`` names the head unless ``head`` is
+            given; without either, the head shipped for the target is used.
+        head: an already built :class:`EagleHead` (in the target's dtype, on its device).
+
+    Raises:
+        DrafterError: no head given and none ships for the target, a head trained for another
+            target, or a head in another dtype / on another device.
+    """
+
+    def __init__(self, target, config: EagleDrafterConfig, head: EagleHead | None = None) -> None:
+        from specwise.drafters.draft_model import shipped_drafter
+
+        self.config = config
+        if head is None:
+            path = config.drafter or shipped_drafter(target, "eagle")
+            if path is None:
+                raise DrafterError(f"method 'eagle' needs an EAGLE head for target {target.name}: pass "
+                                   f"--drafter PATH (train one with `specwise train eagle`).")
+            head = load_eagle_head(path, target)
+        weight = head.fc.weight
+        if weight.dtype != target.dtype or weight.device != target.device:
+            raise DrafterError(f"the EAGLE head is {weight.dtype} on {weight.device} but the target {target.name} "
+                               f"is {target.dtype} on {target.device}; move it with .to(dtype=..., device=...).")
+        self.head = head
+        self.target_hidden_layers = tuple(head.config.feature_layers)
+        self.reset()
+
+    def reset(self) -> None:
+        cfg = self.head.config
+        self.cache = HeadCache(cfg.num_heads, cfg.head_dim, self.head.fc.weight.dtype, self.head.fc.weight.device)
+        self._pending_features: list[torch.Tensor] = []  # [n, F*H] fused target features not yet cached
+        self._pending_tokens: list[torch.Tensor] = []  # [n] the token after each of those positions
+
+    def _queue(self, hidden_states: dict[int, torch.Tensor], next_tokens: torch.Tensor) -> None:
+        features = torch.cat([hidden_states[i] for i in self.target_hidden_layers], dim=-1)  # shape: [n, F*H]
+        self._pending_features.append(features)
+        self._pending_tokens.append(next_tokens)
+
+    def prefill(self, ctx: DraftContext) -> None:
+        self._queue(ctx.hidden_states, ctx.token_ids[1:])
+
+    def observe(self, feedback: StepFeedback) -> None:
+        kept = feedback.num_accepted + 1  # the old root and the accepted drafts
+        self._queue(feedback.hidden_states, feedback.token_ids[-kept:])
+
+    @torch.inference_mode()
+    def _catch_up(self) -> torch.Tensor:
+        """Cache the pending committed entries; return the last one's output ``[H]`` (the root's)."""
+        head = self.head
+        features = torch.cat(self._pending_features)
+        tokens = torch.cat(self._pending_tokens)
+        self._pending_features, self._pending_tokens = [], []
+        start = self.cache.length
+        feature = head.fuse(features)  # shape: [n, H]
+        positions = torch.arange(start, start + tokens.numel(), device=tokens.device)
+        q, k, v = head.project(feature, head.embed(tokens), positions)
+        self.cache.append(k, v)
+        # only the last entry's output is needed: the other entries are keys and values for later
+        keys, values = self._window()
+        allowed = torch.ones(1, keys.shape[0], dtype=torch.bool, device=keys.device)
+        attended = head.attend(q[-1:], keys, values, allowed)
+        return head.finish(feature[-1:], attended)[0]
+
+    def _window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.cache.length
+        begin = max(0, end - self.head.config.window)
+        return self.cache.keys[begin:end], self.cache.values[begin:end]
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext) -> Proposal:
+        head, cfg = self.head, self.config
+        root_h = self._catch_up()
+        depth = min(cfg.depth, ctx.max_draft_tokens)
+        device = ctx.token_ids.device
+        if depth <= 0:
+            return Proposal.empty(device)
+        k = cfg.top_k
+        cache_keys, cache_values = self._window()
+        m = cache_keys.shape[0]
+        base = self.cache.length  # rotary position of a depth-1 node's entry
+        # every node created so far, in creation order: draft-vocabulary index, cumulative score, and
+        # parent (creation index; -1 = the root)
+        logp = torch.log_softmax(head.logits(root_h).float(), dim=-1).clamp_max(0.0)  # shape: [Vd]
+        all_score, all_index = logp.topk(k)
+        all_parent = torch.full((k,), -1, dtype=torch.long, device=device)
+        frontier = torch.arange(k, device=device)  # creation indices of the nodes expanded next
+        frontier_h = root_h.expand(k, -1)  # the feature each frontier node reads: its parent's output
+        # the expanded nodes' entries; lineage[i, j]: expanded node j is node i's ancestor (or itself)
+        tree_keys = cache_keys[:0]
+        tree_values = cache_values[:0]
+        lineage = torch.zeros(k, 0, dtype=torch.bool, device=device)
+        for level in range(1, depth):
+            tokens = head.vocab[all_index[frontier]]
+            q, new_k, new_v = head.project(frontier_h, head.embed(tokens), torch.full((k,), base + level - 1, device=device))
+            # a frontier node's parent is the previous level's frontier node it came from (row parent_row)
+            if level == 1:
+                lineage = torch.eye(k, dtype=torch.bool, device=device)
+            else:
+                lineage = torch.cat([lineage[parent_row], torch.eye(k, dtype=torch.bool, device=device)], dim=1)
+            tree_keys = torch.cat([tree_keys, new_k])
+            tree_values = torch.cat([tree_values, new_v])
+            allowed = torch.cat([torch.ones(k, m, dtype=torch.bool, device=device), lineage], dim=1)
+            attended = head.attend(q, torch.cat([cache_keys, tree_keys]), torch.cat([cache_values, tree_values]),
+                                   allowed)
+            out_h = head.finish(frontier_h, attended)  # shape: [k, H]
+            child_logp = torch.log_softmax(head.logits(out_h).float(), dim=-1).clamp_max(0.0)  # shape: [k, Vd]
+            child_scores, child_index = child_logp.topk(k, dim=-1)  # shape: [k, k]
+            scores = (all_score[frontier][:, None] + child_scores).flatten()  # shape: [k*k]
+            created = all_score.numel()
+            all_score = torch.cat([all_score, scores])
+            all_index = torch.cat([all_index, child_index.flatten()])
+            all_parent = torch.cat([all_parent, frontier[:, None].expand(k, k).flatten()])
+            best = scores.topk(k).indices
+            parent_row = best // k
+            frontier = created + best
+            frontier_h = out_h[parent_row]
+        return self._rerank(all_index, all_score, all_parent, device)
+
+    def _rerank(self, index: torch.Tensor, score: torch.Tensor, parent: torch.Tensor, device) -> Proposal:
+        """The ``total_tokens`` best nodes as a tree, in creation order.
+
+        A child's score is its parent's plus a log-probability clamped to <= 0, so it is never
+        above its parent's; the stable sort puts ties in creation order (parent first). So every
+        chosen node's parent is chosen too.
+        """
+        keep = min(self.config.total_tokens, score.numel())
+        order = torch.sort(score, descending=True, stable=True).indices[:keep]
+        chosen = torch.sort(order).values  # creation order: parents before children
+        node_of = torch.zeros(score.numel(), dtype=torch.long, device=device)  # creation index -> tree node
+        node_of[chosen] = torch.arange(1, keep + 1, device=device)
+        parents = parent[chosen]
+        node_parents = torch.where(parents < 0, torch.zeros_like(parents), node_of[parents.clamp_min(0)])
+        return Proposal(self.head.vocab[index[chosen]], parents=node_parents)

@@ -1,0 +1,297 @@
+"""The EAGLE-3 draft head (Li et al. 2025, arXiv 2503.01840; ALGORITHMS.md §4.3).
+
+One small decoder layer that drafts from the target's own features:
+
+* **fused features**: the target's hidden states at a low, a middle and a high layer
+  (``feature_layers``, HF ``hidden_states`` indexing, chosen from the target's depth by
+  :func:`default_feature_layers`) are concatenated and projected to the hidden size by ``fc``;
+* **input**: the attention block sees ``[norm(embed(next token)); norm(feature)]`` (2H wide), as
+  in EAGLE-3: the token resolves which continuation the feature is about;
+* **recurrence**: at draft step 0 the feature is ``fc(fused target features)``; at later draft
+  steps it is the head's own pre-norm output of the previous step (no feature regression);
+* **output**: ``final_norm`` then the target's LM-head rows of a reduced **draft vocabulary**
+  (FR-Spec, ALGORITHMS.md §9).
+
+Borrowed from the target at load time and never stored: the input embedding module and the LM-head
+rows. The head's own weights: ``fc``, the norms, the attention and MLP projections (~7 M parameters
+for Gemma-3-270M).
+
+Attention is over the head's own KV cache with rotary positions; queries see at most ``window``
+earlier keys, so prompts and generations of any length work with the relative positions the head
+was trained on.
+
+Initialization (``init_from_target``): ``fc`` passes the high tap through and the residual branches
+start at zero (``o_proj`` and ``down_proj``), so the untrained head reads the target's high-layer
+features one token behind (it guesses the root itself); training teaches it to look one token
+further.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specwise.errors import ConfigError, DrafterError
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """Architecture of an EAGLE-3 head."""
+
+    feature_layers: tuple[int, ...] = (2, 9, 15)  # target hidden_states indices fused (low, mid, high)
+    draft_vocab_size: int = 16384  # rows of the output layer (a subset of the target's vocabulary)
+    num_heads: int = 8  # attention heads (keys and values have as many: the head is tiny)
+    head_dim: int = 64  # per-head width
+    intermediate_size: int = 2048  # gated-MLP width
+    rope_theta: float = 10000.0  # rotary base
+    window: int = 1024  # keys a query attends to at most (the longest trained window)
+
+    def __post_init__(self) -> None:
+        if not self.feature_layers:
+            raise ConfigError("an EAGLE head needs at least one feature layer.")
+        for name in ("draft_vocab_size", "num_heads", "head_dim", "intermediate_size", "window"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even (rotary pairs), got {self.head_dim}.")
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's taps for a target of ``num_layers`` decoder layers: ``(2, L // 2, L - 3)`` (HF
+    ``hidden_states`` indices, i.e. the inputs of those layers), de-duplicated for shallow targets."""
+    picks = [min(2, num_layers), num_layers // 2, max(num_layers - 3, 0)]
+    return tuple(sorted(set(picks)))
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021), half-split layout.
+
+    Args:
+        x: ``[..., n, heads, d]``.
+        positions: ``[..., n]`` long.
+
+    Returns:
+        ``x`` rotated, same shape and dtype.
+    """
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)  # shape: [d/2]
+    angles = positions.float()[..., None] * inv  # shape: [..., n, d/2]
+    cos, sin = angles.cos()[..., None, :], angles.sin()[..., None, :]  # shape: [..., n, 1, d/2]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class _Borrowed:
+    """Target modules and tensors the head uses but does not own (kept out of ``state_dict``)."""
+
+    def __init__(self, embed: nn.Module, head: torch.Tensor) -> None:
+        self.embed = embed  # the target's input embedding module
+        self.head = head  # shape: [Vd, H], the target's LM-head rows of the draft vocabulary
+
+
+class EagleHead(nn.Module):
+    """An EAGLE-3 draft head for one target.
+
+    Args:
+        target: the :class:`specwise.target.Target` (its embeddings, LM head and hidden size).
+        config: :class:`EagleConfig`.
+        vocab: ``[Vd]`` int64 target token ids of the draft vocabulary (the draft→target map).
+        init_from_target: the early-exit initialization (module docstring); ``False`` leaves the
+            weights to be loaded from a checkpoint.
+
+    Raises:
+        DrafterError: the vocabulary table does not match the config or the target.
+        ConfigError: a feature layer outside the target's hidden states.
+    """
+
+    def __init__(self, target, config: EagleConfig, vocab: torch.Tensor, init_from_target: bool = True) -> None:
+        super().__init__()
+        text_config = target.model.config.get_text_config()
+        hidden = int(text_config.hidden_size)
+        num_layers = int(text_config.num_hidden_layers)
+        bad = [i for i in config.feature_layers if not 0 <= i <= num_layers]
+        if bad:
+            raise ConfigError(f"feature layer {bad[0]} is outside the target's hidden states 0..{num_layers}.")
+        if vocab.numel() != config.draft_vocab_size:
+            raise DrafterError(f"draft vocabulary has {vocab.numel()} ids but the config says {config.draft_vocab_size}.")
+        if int(vocab.max()) >= target.vocab_size or int(vocab.min()) < 0:
+            raise DrafterError(f"draft vocabulary ids fall outside the target's {target.vocab_size} tokens.")
+        self.config = config
+        self.hidden_size = hidden
+        eps = float(getattr(text_config, "rms_norm_eps", 1e-6))
+        width = config.num_heads * config.head_dim
+        self.fc = nn.Linear(len(config.feature_layers) * hidden, hidden, bias=False)
+        self.token_norm = nn.RMSNorm(hidden, eps=eps)
+        self.feature_norm = nn.RMSNorm(hidden, eps=eps)
+        self.q_proj = nn.Linear(2 * hidden, width, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, width, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, width, bias=False)
+        self.o_proj = nn.Linear(width, hidden, bias=False)
+        self.mlp_norm = nn.RMSNorm(hidden, eps=eps)
+        self.gate_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
+        self.final_norm = nn.RMSNorm(hidden, eps=eps)
+        self.register_buffer("vocab", vocab.clone().long(), persistent=False)  # shape: [Vd]
+        head = target.model.get_output_embeddings().weight
+        self._borrowed = _Borrowed(target.model.get_input_embeddings(), head[vocab.to(head.device)].detach())
+        if init_from_target:
+            self._init_from_target(target)
+
+    @torch.no_grad()
+    def _init_from_target(self, target) -> None:
+        hidden = self.hidden_size
+        nn.init.normal_(self.fc.weight, std=0.02 / math.sqrt(len(self.config.feature_layers)))
+        high = self.config.feature_layers.index(max(self.config.feature_layers))
+        self.fc.weight[:, high * hidden: (high + 1) * hidden] += torch.eye(hidden)
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.gate_proj, self.up_proj):
+            nn.init.normal_(linear.weight, std=1.0 / math.sqrt(linear.in_features))
+        nn.init.zeros_(self.o_proj.weight)
+        nn.init.zeros_(self.down_proj.weight)
+        # final_norm keeps unit scale: the target's own final-norm scale (up to 300 on Gemma-3-270M)
+        # turns the high tap's features into logits far too large (initial loss ~46 against ~11)
+
+    # ------------------------------------------------------------------ pieces
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """``[..., F*H]`` concatenated target features -> ``[..., H]`` head features (``fc``)."""
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[...]`` target token ids -> ``[..., H]`` target embeddings (borrowed), in the head's dtype."""
+        return self._borrowed.embed(token_ids).to(self.fc.weight.dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` head outputs -> ``[..., Vd]`` draft-vocabulary logits."""
+        normed = self.final_norm(h)
+        return normed @ self._borrowed.head.to(normed.dtype).T
+
+    def project(self, feature: torch.Tensor, token_emb: torch.Tensor, positions: torch.Tensor):
+        """Queries, keys and values of new entries.
+
+        Args:
+            feature: ``[..., n, H]`` head features (``fc`` output, or a previous step's output).
+            token_emb: ``[..., n, H]`` embeddings of the tokens that follow each feature's position.
+            positions: ``[..., n]`` rotary positions.
+
+        Returns:
+            ``(q, k, v)``, each ``[..., n, heads, d]``.
+        """
+        x = torch.cat([self.token_norm(token_emb), self.feature_norm(feature)], dim=-1)
+        shape = (*x.shape[:-1], self.config.num_heads, self.config.head_dim)
+        theta = self.config.rope_theta
+        q = rotary(self.q_proj(x).view(shape), positions, theta)
+        k = rotary(self.k_proj(x).view(shape), positions, theta)
+        return q, k, self.v_proj(x).view(shape)
+
+    def finish(self, feature: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Residual attention output and the MLP: ``[..., n, heads*d]`` attended values -> ``[..., n, H]``."""
+        h = feature + self.o_proj(attended)
+        x = self.mlp_norm(h)
+        return h + self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Masked attention for decoding.
+
+        Args:
+            q: ``[n, heads, d]`` new queries.
+            k, v: ``[m, heads, d]`` keys and values they may see (cache and new entries).
+            allowed: ``[n, m]`` bool.
+
+        Returns:
+            ``[n, heads*d]``.
+        """
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             attn_mask=allowed[None])  # shape: [heads, n, d]
+        return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+    # ------------------------------------------------------------------ training
+    def forward(self, features: torch.Tensor, next_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training forward: :meth:`unroll`."""
+        return self.unroll(features, next_ids, steps)
+
+    def unroll(self, features: torch.Tensor, next_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """The training-time test (EAGLE-3): ``steps`` draft steps unrolled over whole sequences.
+
+        Step 0 at index t reads the fused target features at t and the token at t+1. Step j >= 1 at
+        index t reads the head's own step-(j-1) output at t and the token at t+j+1, at rotary
+        position t+j. A query of step j at t sees the step-0 keys at indices <= t (true features,
+        within ``window``) and its own chain's keys of steps 1..j at t, which is exactly what a
+        draft step of depth j sees at inference.
+
+        Args:
+            features: ``[B, T, F*H]`` concatenated target features.
+            next_ids: ``[B, T + steps - 1]`` long: ``next_ids[:, t]`` is the token at index t+1.
+            steps: J >= 1.
+
+        Returns:
+            J tensors of logits ``[B, T, Vd]``; step j's row t predicts the token at t+j+2.
+        """
+        batch, length, _ = features.shape
+        device = features.device
+        positions = torch.arange(length, device=device).expand(batch, length)
+        feature = self.fuse(features)  # shape: [B, T, H]
+        idx = torch.arange(length, device=device)
+        causal = (idx[None, :] <= idx[:, None]) & (idx[None, :] > idx[:, None] - self.config.window)  # [T, T]
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        keys0 = values0 = None
+        chain_keys: list[torch.Tensor] = []
+        chain_values: list[torch.Tensor] = []
+        out = []
+        for j in range(steps):
+            q, k, v = self.project(feature, self.embed(next_ids[:, j: j + length]), positions + j)
+            if j == 0:
+                keys0, values0 = k, v
+            else:
+                chain_keys.append(k)
+                chain_values.append(v)
+            # scores against the true-feature keys: [B, heads, T, T]
+            main = torch.einsum("bthd,bshd->bhts", q, keys0) * scale
+            main = main.masked_fill(~causal, float("-inf"))
+            diag = [torch.einsum("bthd,bthd->bht", q, key)[..., None] * scale for key in chain_keys]  # [B, h, T, 1]
+            weights = torch.softmax(torch.cat([main, *diag], dim=-1), dim=-1)  # fp32 under autocast
+            attended = torch.einsum("bhts,bshd->bthd", weights[..., :length], values0)
+            for i, value in enumerate(chain_values):
+                attended = attended + weights[..., length + i].transpose(1, 2)[..., None] * value
+            feature = self.finish(feature, attended.reshape(batch, length, -1))
+            out.append(self.logits(feature))
+        return out
+
+    # ------------------------------------------------------------------ bookkeeping
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights a checkpoint stores (everything but the borrowed embeddings and head rows)."""
+        return dict(self.state_dict())
+
+    def architecture(self) -> dict:
+        return {**asdict(self.config), "feature_layers": list(self.config.feature_layers)}
+
+
+class HeadCache:
+    """The head's KV cache: one entry per committed position with a true target feature.
+
+    Attributes:
+        keys, values: ``[capacity, heads, d]`` buffers; the first ``length`` rows are live.
+        length: committed entries (equals the target's cache length once the head caught up).
+    """
+
+    def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device, capacity: int = 256) -> None:
+        self.keys = torch.empty(capacity, heads, head_dim, dtype=dtype, device=device)
+        self.values = torch.empty_like(self.keys)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``[n, heads, d]`` committed keys and values."""
+        n = k.shape[0]
+        if self.length + n > self.keys.shape[0]:
+            grow = max(2 * self.keys.shape[0], self.length + n)
+            for name in ("keys", "values"):
+                old = getattr(self, name)
+                new = torch.empty(grow, *old.shape[1:], dtype=old.dtype, device=old.device)
+                new[: self.length] = old[: self.length]
+                setattr(self, name, new)
+        self.keys[self.length: self.length + n] = k
+        self.values[self.length: self.length + n] = v
+        self.length += n

@@ -1,0 +1,133 @@
+"""Recipe: train an EAGLE-3 head (:class:`specwise.models.eagle.EagleHead`) on the frozen target.
+
+Data: a self-distillation corpus whose features hold the target's top-k log-probabilities over the
+draft vocabulary and the hidden states of the head's feature layers
+(:mod:`specwise.training.features`). Loss: the EAGLE-3 training-time test (Li et al. 2025,
+ALGORITHMS.md §4.3): the head is unrolled ``ttt_steps`` draft steps over every window, step j
+reading its own step-(j-1) outputs, and step j's soft cross-entropy against the target's
+renormalized top-k distribution is weighted ``step_decay ** j``.
+
+Validation replays greedy chain decoding on held-out target-written text: with the unroll teacher
+forced, draft j at root r equals what decoding would have drafted whenever drafts 0..j-1 were
+accepted, so acceptance by depth and τ of a chain of ``validation_draft_tokens`` are exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specwise.errors import ConfigError
+from specwise.training.acceptance import ChainAcceptance, replay_depths
+from specwise.training.draft_recipe import DraftLMRecipe, DraftRecipeConfig
+
+
+@dataclass(frozen=True)
+class EagleRecipeConfig(DraftRecipeConfig):
+    """Data and loss settings of the EAGLE-3 recipe."""
+
+    ttt_steps: int = 3  # draft steps unrolled in training (J)
+    step_decay: float = 0.8  # loss weight of step j is step_decay ** j (EAGLE-3's reference value)
+    validation_draft_tokens: int = 6  # chain depth of the replayed validation decoding
+
+    def __post_init__(self) -> None:
+        if self.ttt_steps < 1 or not 0 < self.step_decay <= 1:
+            raise ConfigError("ttt_steps must be >= 1 and step_decay in (0, 1].")
+
+
+class EagleRecipe(DraftLMRecipe):
+    """Training-time-test training of an EAGLE-3 head.
+
+    Args:
+        corpus_dir: corpus with features including ``hidden_layers``.
+        vocab: ``[Vd]`` int64 draft vocabulary of the features.
+        hidden_layers: the head's feature layers (the order is the concatenation order).
+        config: :class:`EagleRecipeConfig`.
+        features_dir: where the features are (default: the corpus directory).
+
+    Raises:
+        ConfigError: no features, missing hidden states, or no training sequences.
+    """
+
+    def __init__(self, corpus_dir, vocab: torch.Tensor, hidden_layers: tuple[int, ...],
+                 config: EagleRecipeConfig = EagleRecipeConfig(), features_dir=None) -> None:
+        super().__init__(corpus_dir, vocab, config, hidden_layers, features_dir)
+        self.config: EagleRecipeConfig = config
+
+    def _batch(self, batch, steps: int):
+        """Pad a micro-batch: features ``[B, W, F*H]``, next ids / top-k / validity ``[B, W+J-1, ...]``."""
+        width = max(length for _, _, length in batch)
+        first = self.train_examples[batch[0][0]]
+        k, fh = first.top_index.shape[1], first.hidden.shape[1]
+        span = width + steps - 1
+        feats = torch.zeros((len(batch), width, fh), dtype=first.hidden.dtype)
+        next_ids = torch.zeros((len(batch), span), dtype=torch.long)
+        top_index = torch.zeros((len(batch), span, k), dtype=torch.long)
+        top_probs = torch.zeros((len(batch), span, k))
+        valid = torch.zeros((len(batch), span))
+        rows = torch.zeros((len(batch), width))
+        for row, (i, start, length) in enumerate(batch):
+            ex = self.train_examples[i]
+            feats[row, :length] = ex.hidden[start: start + length]
+            m = min(length + steps - 1, ex.tokens.numel() - start - 1)  # tokens after index start+t
+            next_ids[row, :m] = ex.tokens[start + 1: start + 1 + m]
+            top_index[row, :m] = ex.top_index[start + 1: start + 1 + m]
+            top_probs[row, :m] = ex.top_probs[start + 1: start + 1 + m]
+            valid[row, :m] = 1
+            rows[row, :length] = 1
+        return feats, next_ids, top_index, top_probs, valid, rows
+
+    def loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, int]:
+        steps = self.config.ttt_steps
+        device = next(model.parameters()).device
+        feats, next_ids, top_index, top_probs, valid, rows = (t.to(device) for t in self._batch(batch, steps))
+        width = feats.shape[1]
+        outputs = model(feats, next_ids, steps)  # steps x [B, W, Vd]
+        total, weight_sum = 0.0, 0.0
+        for j, logits in enumerate(outputs):
+            # step j's row t predicts the token after index t+j+1: top-k row t+j of the padded arrays
+            log_q = torch.log_softmax(logits.float(), dim=-1)
+            picked = log_q.gather(-1, top_index[:, j: j + width])  # shape: [B, W, k]
+            per_position = -(top_probs[:, j: j + width] * picked).sum(-1)  # shape: [B, W]
+            mask = valid[:, j: j + width] * rows
+            weight = self.config.step_decay ** j
+            total = total + weight * (per_position * mask).sum() / mask.sum().clamp_min(1.0)
+            weight_sum += weight
+        return total / weight_sum, int(rows.sum())
+
+    @torch.no_grad()
+    def validate(self, model: nn.Module) -> dict:
+        """Replayed greedy chain decoding on held-out target-written text (acceptance by depth, τ),
+        and step 0's teacher-forced top-1 agreement with the target."""
+        if not self.validation_examples:
+            return {}
+        depth = self.config.validation_draft_tokens
+        stats = ChainAcceptance(depth)
+        agree_total, positions = 0, 0
+        device = next(model.parameters()).device
+        for ex in self.validation_examples:
+            length = min(ex.tokens.numel(), self.config.max_length) - 1  # indices t with a next token
+            if length < 2 or ex.prompt_length >= length:
+                continue
+            next_ids = torch.zeros(length + depth - 1, dtype=torch.long)
+            next_ids[:length] = ex.tokens[1: length + 1]
+            outputs = model(ex.hidden[None, :length].to(device), next_ids[None].to(device), depth)
+            drafts = torch.stack([self.vocab[o[0].argmax(-1).cpu()] for o in outputs], dim=1)  # shape: [T, K]
+            agree = drafts[:, 0] == self.vocab[ex.top_index[1: length + 1, 0]]
+            agree_total += int(agree.sum())
+            positions += agree.numel()
+            # root r = generated token r sits at index p + r; its draft j is row p + r - 1, step j,
+            # and predicts the token at index p + r + j + 1
+            p = ex.prompt_length
+            tokens = ex.tokens[: length + 1]
+            roots = length + 1 - p  # generated tokens in the window
+            matches = torch.zeros(roots, depth, dtype=torch.bool)
+            for j in range(depth):
+                r = torch.arange(roots)
+                target_index = p + r + j + 1
+                ok = target_index <= length
+                matches[ok, j] = drafts[(p + r - 1)[ok], j] == tokens[target_index[ok]]
+            replay_depths(matches, stats)
+        return {"top1_agreement": round(agree_total / max(positions, 1), 4), **stats.as_dict()}

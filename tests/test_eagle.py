@@ -1,0 +1,323 @@
+"""EAGLE-3 head with EAGLE-2 dynamic trees, on tiny random float64 models.
+
+The head's building blocks (projection, attention, MLP) are trusted; what is tested is everything
+built from them: which entries each query sees, at which rotary positions, with which features, in
+the dynamic tree, in the cache after partial acceptance and in the training-time-test unroll. The
+references recompute each output from scratch along one explicit path.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import specwise
+from conftest import ARCHS, make_target, random_prompt, reference_greedy
+from specwise.checkpoint import DrafterCheckpoint, load_drafter, save_checkpoint, target_fingerprint
+from specwise.drafters.eagle import EagleDrafter, EagleDrafterConfig, load_eagle_head
+from specwise.errors import ConfigError, DrafterError
+from specwise.loop import speculative_generate
+from specwise.models.eagle import EagleConfig, EagleHead, default_feature_layers
+from specwise.sampling import SamplingConfig
+from specwise.types import DraftContext
+
+LAYERS = (0, 1, 2)
+VOCAB_D = 96
+
+
+def make_head(target, seed: int = 0, window: int = 64, vocab: torch.Tensor | None = None) -> EagleHead:
+    """A random head (residual branches not zero, so every part matters), float64."""
+    torch.manual_seed(seed)
+    vocab = torch.randperm(target.vocab_size)[:VOCAB_D] if vocab is None else vocab
+    config = EagleConfig(feature_layers=LAYERS, draft_vocab_size=vocab.numel(), num_heads=2, head_dim=16,
+                         intermediate_size=64, window=window)
+    head = EagleHead(target, config, vocab).double()
+    with torch.no_grad():
+        for p in (head.o_proj.weight, head.down_proj.weight):
+            p.normal_(std=0.2)
+    return head.eval().requires_grad_(False)
+
+
+def target_features(target, ids: torch.Tensor) -> torch.Tensor:
+    """``[T, F*H]`` fused-feature input of a full forward over ``ids``."""
+    out = target.model(input_ids=ids[None], output_hidden_states=True)
+    return torch.cat([out.hidden_states[i][0] for i in LAYERS], dim=-1)
+
+
+def reference_output(head: EagleHead, features: torch.Tensor, next_ids: torch.Tensor, path: list[int]) -> torch.Tensor:
+    """The head's output after the committed entries and a chain of draft steps, from scratch.
+
+    Entries i < L: fused target feature i, token ``next_ids[i]``, position i, causal within the window.
+    Chain step j (1-based): the previous output as feature, token ``path[j-1]``, position L-1+j; it
+    sees the last ``window`` committed entries and the chain so far.
+    """
+    length = features.shape[0]
+    fused = head.fuse(features)
+    q, k, v = head.project(fused, head.embed(next_ids), torch.arange(length))
+    window = head.config.window
+    t = length - 1
+    allowed = torch.tensor([[s <= t and s > t - window for s in range(length)]])
+    h = head.finish(fused[t:], head.attend(q[t:], k, v, allowed))[0]
+    keys, values = k[max(0, length - window):], v[max(0, length - window):]
+    for j, token in enumerate(path, start=1):
+        qj, kj, vj = head.project(h[None], head.embed(torch.tensor([token])), torch.tensor([t + j]))
+        keys, values = torch.cat([keys, kj]), torch.cat([values, vj])
+        h = head.finish(h[None], head.attend(qj, keys, values, torch.ones(1, keys.shape[0], dtype=torch.bool)))[0]
+    return h
+
+
+def reference_tree(head: EagleHead, features, next_ids, depth: int, k: int, total: int):
+    """EAGLE-2 tree building by the definition, each node's distribution recomputed along its path."""
+    vocab = head.vocab.tolist()
+    nodes = []  # (score, draft index, parent creation index, path of target ids)
+
+    def children(path: list[int], score: float, parent: int):
+        h = reference_output(head, features, next_ids, path)
+        logp = torch.log_softmax(head.logits(h).float(), dim=-1).clamp_max(0.0)
+        values, index = logp.topk(k)
+        return [(score + float(v), int(i), parent, path + [vocab[int(i)]]) for v, i in zip(values, index)]
+
+    nodes += children([], 0.0, -1)
+    frontier = list(range(k))
+    for _ in range(1, depth):
+        start = len(nodes)
+        for f in frontier:
+            nodes += children(nodes[f][3], nodes[f][0], f)
+        level = list(range(start, len(nodes)))
+        frontier = sorted(level, key=lambda i: -nodes[i][0])[:k]
+    chosen = sorted(sorted(range(len(nodes)), key=lambda i: -nodes[i][0])[:total])
+    where = {c: n for n, c in enumerate(chosen, start=1)}
+    tokens = [vocab[nodes[c][1]] for c in chosen]
+    parents = [0 if nodes[c][2] < 0 else where[nodes[c][2]] for c in chosen]
+    return tokens, parents
+
+
+def _prefilled(target, head, ids: torch.Tensor, **options) -> EagleDrafter:
+    """A drafter told the committed tokens ``ids`` (the last one is the root)."""
+    drafter = EagleDrafter(target, EagleDrafterConfig(**options), head=head)
+    out = target.model(input_ids=ids[None, :-1], output_hidden_states=True)
+    hidden = {i: out.hidden_states[i][0] for i in LAYERS}
+    drafter.prefill(DraftContext(ids, 0, SamplingConfig(), None, ids.numel() - 1, hidden))
+    return drafter
+
+
+# ---------------------------------------------------------------------------------------- model
+
+
+def test_default_feature_layers_follow_eagle3():
+    assert default_feature_layers(18) == (2, 9, 15)
+    assert default_feature_layers(32) == (2, 16, 29)
+    assert default_feature_layers(2) == (0, 1, 2)
+
+
+def test_config_and_vocabulary_are_validated():
+    target = make_target("llama")
+    with pytest.raises(ConfigError, match="head_dim must be even"):
+        EagleConfig(head_dim=15)
+    with pytest.raises(ConfigError, match="outside the target's hidden states"):
+        EagleHead(target, EagleConfig(feature_layers=(0, 5), draft_vocab_size=4), torch.arange(4))
+    with pytest.raises(DrafterError, match="outside the target's 128 tokens"):
+        EagleHead(target, EagleConfig(feature_layers=(0, 1), draft_vocab_size=2), torch.tensor([3, 500]))
+    with pytest.raises(ConfigError, match="top_k"):
+        EagleDrafterConfig(top_k=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_feature_taps_match_the_targets_hidden_states(arch):
+    """What the loop hands the drafter (prefill, then each step's kept rows) equals a full forward's
+    hidden states at the committed positions."""
+    target = make_target(arch, eos=(), attn_implementation="sdpa")
+    seen: list[torch.Tensor] = []
+
+    class Tap(EagleDrafter):
+        def _queue(self, hidden_states, next_tokens):
+            seen.append(torch.cat([hidden_states[i] for i in LAYERS], dim=-1))
+            super()._queue(hidden_states, next_tokens)
+
+    prompt = random_prompt(12, seed=3)
+    drafter = Tap(target, EagleDrafterConfig(depth=3, top_k=16, total_tokens=20), head=make_head(target))
+    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=20, sampling=SamplingConfig())
+    committed = torch.cat([prompt, torch.tensor(tokens)])
+    taps = torch.cat(seen)
+    assert taps.shape[0] == committed.numel() - 1  # every committed position but the last root, once
+    torch.testing.assert_close(taps, target_features(target, committed[:-1]), rtol=0, atol=1e-10)
+    assert stats.accepted_tokens > 0
+
+
+def test_unroll_equals_decoding_along_the_path():
+    """The training-time test (step j at index t) computes what decoding computes at tree depth j."""
+    target = make_target("gemma3", attn_implementation="sdpa")
+    head = make_head(target, window=6)
+    ids = random_prompt(14, seed=5)
+    features = target_features(target, ids)
+    steps = 3
+    next_ids = torch.cat([ids[1:], torch.zeros(steps, dtype=torch.long)])
+    outputs = head.unroll(features[None, :-1], next_ids[None], steps)
+    for t in (0, 4, 9, 12):
+        for j in range(steps):
+            if t + j + 1 >= ids.numel():
+                continue
+            h = reference_output(head, features[: t + 1], ids[1: t + 2], ids[t + 2: t + 2 + j].tolist())
+            torch.testing.assert_close(outputs[j][0, t], head.logits(h), rtol=0, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------- tree
+
+
+@pytest.mark.parametrize("depth,k,total", [(1, 4, 4), (3, 3, 7), (4, 4, 12), (5, 2, 30)])
+def test_dynamic_tree_equals_the_brute_force_reference(depth, k, total):
+    target = make_target("llama", attn_implementation="sdpa")
+    head = make_head(target, window=8)  # the prompt is longer than the window
+    ids = random_prompt(15, seed=7)
+    drafter = _prefilled(target, head, ids, depth=depth, top_k=k, total_tokens=total)
+    proposal = drafter.propose(DraftContext(ids, 50, SamplingConfig(), None, ids.numel() - 1))
+    features = target_features(target, ids[:-1])
+    tokens, parents = reference_tree(head, features, ids[1:], depth, k, total)
+    assert proposal.tokens.tolist() == tokens
+    assert proposal.parents.tolist() == parents
+    assert all(p <= i for i, p in enumerate(parents))  # ancestor-closed, topological
+
+
+def test_tree_depth_shrinks_with_the_budget():
+    target = make_target("llama")
+    ids = random_prompt(6, seed=1)
+    drafter = _prefilled(target, make_head(target), ids, depth=5, top_k=3, total_tokens=40)
+    proposal = drafter.propose(DraftContext(ids, 2, SamplingConfig(), None, ids.numel() - 1))
+    from specwise.tree import DraftTree
+
+    assert int(DraftTree.build(ids[-1], proposal.tokens, proposal.parents).depth.max()) == 2
+    drafter = _prefilled(target, make_head(target), ids, depth=5, top_k=3, total_tokens=40)
+    assert drafter.propose(DraftContext(ids, 0, SamplingConfig(), None, ids.numel() - 1)).tokens.numel() == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_head_cache_after_partial_acceptance_equals_a_fresh_run(arch):
+    target = make_target(arch, eos=(), attn_implementation="sdpa")
+    head = make_head(target, window=10)
+    prompt = random_prompt(9, seed=11)
+    drafter = EagleDrafter(target, EagleDrafterConfig(depth=4, top_k=24, total_tokens=30), head=head)
+    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=24, sampling=SamplingConfig())
+    partial = [a for a in stats.accepted_lengths if 0 < a]
+    assert partial and stats.accepted_tokens < stats.drafted_tokens  # some accepted, some rejected
+    committed = torch.cat([prompt, torch.tensor(tokens)])
+    root_h = drafter._catch_up()
+    fresh = _prefilled(target, head, committed)
+    fresh_root_h = fresh._catch_up()
+    n = committed.numel() - 1
+    assert drafter.cache.length == fresh.cache.length == n
+    torch.testing.assert_close(drafter.cache.keys[:n], fresh.cache.keys[:n], rtol=0, atol=1e-10)
+    torch.testing.assert_close(drafter.cache.values[:n], fresh.cache.values[:n], rtol=0, atol=1e-10)
+    torch.testing.assert_close(root_h, fresh_root_h, rtol=0, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------- lossless
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("depth,k,total", [(1, 1, 1), (2, 8, 8), (4, 16, 40), (6, 96, 60)])
+def test_greedy_equals_plain_decoding(arch, depth, k, total):
+    target = make_target(arch, eos=(), attn_implementation="sdpa")
+    head = make_head(target, window=8)  # windowed: the prompt and the generation outrun it
+    prompt = random_prompt(20, seed=2)
+    drafter = EagleDrafter(target, EagleDrafterConfig(depth=depth, top_k=k, total_tokens=total), head=head)
+    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    assert tokens == reference_greedy(target.model, prompt, 30)
+    assert max(len(stats.drafted_by_position), 1) <= depth
+
+
+def test_public_api_runs_eagle_with_a_given_drafter(tmp_path):
+    target = make_target("gemma3", eos=())
+    path = _save(target, make_head(target), tmp_path / "eagle")
+    prompt = random_prompt(10, seed=4)
+    text_ids = specwise.generate(target, prompt, method="eagle", drafter=str(path), max_new_tokens=12,
+                                 depth=3, top_k=8, total_tokens=12).token_ids
+    assert text_ids == reference_greedy(target.model, prompt, 12)
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+
+
+def _save(target, head: EagleHead, path):
+    tensors = {**head.trainable_state_dict(), "draft_vocab": head.vocab.to(torch.int32)}
+    ckpt = DrafterCheckpoint("eagle", head.architecture(), target.name, target_fingerprint(target), tensors)
+    return save_checkpoint(ckpt, path)
+
+
+def test_checkpoint_round_trip_and_vocabulary_mapping(tmp_path):
+    target = make_target("llama")
+    head = make_head(target)
+    path = _save(target, head, tmp_path / "eagle")
+    assert json.loads((path / "config.json").read_text())["architecture"]["feature_layers"] == list(LAYERS)
+    loaded = load_eagle_head(path, target)
+    assert torch.equal(loaded.vocab, head.vocab)  # draft index -> target id survives the round trip
+    index_of = {int(t): i for i, t in enumerate(loaded.vocab)}
+    assert [index_of[int(loaded.vocab[i])] for i in range(VOCAB_D)] == list(range(VOCAB_D))
+    # weights were stored in bf16: the loaded head equals the original rounded to bf16
+    rounded = {k: v.to(torch.bfloat16).double() for k, v in head.state_dict().items()}
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, rounded[name], rtol=0, atol=0)
+    drafter = load_drafter(path, target, depth=3, top_k=4, total_tokens=8)
+    assert isinstance(drafter, EagleDrafter) and drafter.target_hidden_layers == LAYERS
+    ids = random_prompt(8, seed=1)
+    a = _prefilled(target, loaded, ids, depth=3, top_k=4, total_tokens=8)
+    b = _prefilled(target, drafter.head, ids, depth=3, top_k=4, total_tokens=8)
+    ctx = DraftContext(ids, 10, SamplingConfig(), None, ids.numel() - 1)
+    assert a.propose(ctx).tokens.tolist() == b.propose(ctx).tokens.tolist()
+
+
+def test_a_head_for_another_target_is_refused(tmp_path):
+    llama, gemma = make_target("llama"), make_target("gemma3")
+    path = _save(llama, make_head(llama), tmp_path / "eagle")
+    with pytest.raises(DrafterError, match="trained for target 'tiny-llama-0'.*tiny-gemma3-0"):
+        load_drafter(path, gemma)
+    with pytest.raises(DrafterError, match="needs an EAGLE head"):
+        EagleDrafter(llama, EagleDrafterConfig())
+    with pytest.raises(DrafterError, match="is torch.float32"):
+        EagleDrafter(llama, EagleDrafterConfig(), head=make_head(llama).float())
+
+
+# ---------------------------------------------------------------------------------------- training
+
+
+def test_replay_by_depth_counts_runs_and_bonus_tokens():
+    from specwise.training.acceptance import ChainAcceptance, replay_depths
+
+    # 6 generated tokens; root 0 gets two drafts right, root 3 none, root 4 one (the text then ends)
+    matches = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 0, 0], [0, 1, 1], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
+    stats = replay_depths(matches, ChainAcceptance(3))
+    assert stats.steps == 3 and stats.tokens == 5  # 3 tokens, then 1, then 1 (token 5 is the last root)
+    assert stats.reached == [3, 1, 1] and stats.accepted == [2, 1, 0]  # root 4: draft 1 has no text to match
+
+
+def test_eagle_recipe_learns_and_validates_on_a_tiny_corpus(tmp_path):
+    from test_training import _records
+
+    from specwise.training.corpus import CorpusConfig, build_corpus
+    from specwise.training.eagle_recipe import EagleRecipe, EagleRecipeConfig
+    from specwise.training.features import FeatureConfig, draft_vocabulary, extract_features, token_frequencies
+    from specwise.training.trainer import TrainConfig, train
+
+    target = make_target("llama")
+    corpus = tmp_path / "corpus"
+    build_corpus(target, _records(), corpus, CorpusConfig(new_tokens=10, batch_size=4, sampled_fraction=0.5,
+                                                          text_only_prompts=2, seed=1))
+    vocab = draft_vocabulary(token_frequencies(corpus, 128), VOCAB_D, always=(1,))
+    features = extract_features(target, corpus, vocab, FeatureConfig(top_k=4, hidden_layers=LAYERS, batch_tokens=64),
+                                features_dir=corpus / "features-eagle")
+    with pytest.raises(ConfigError, match="is missing; run the features pass"):
+        EagleRecipe(corpus, vocab, LAYERS, features_dir=corpus / "nothing-here")
+    plain = extract_features(target, corpus, vocab, FeatureConfig(top_k=4, batch_tokens=64),
+                             features_dir=corpus / "features-plain")
+    with pytest.raises(ConfigError, match="no hidden states of layer 0"):
+        EagleRecipe(corpus, vocab, LAYERS, features_dir=plain)
+    recipe = EagleRecipe(corpus, vocab, LAYERS, EagleRecipeConfig(batch_tokens=64, validation_every=3, ttt_steps=2),
+                         features_dir=features)
+    head = EagleHead(target, EagleConfig(feature_layers=LAYERS, draft_vocab_size=VOCAB_D, num_heads=2, head_dim=16,
+                                         intermediate_size=64), vocab).float()
+    result = train(head, recipe, TrainConfig(steps=40, lr=3e-3, warmup_steps=5, log_every=5), tmp_path / "t",
+                   progress=False)
+    assert result.curve[-1]["loss"] < result.curve[0]["loss"]
+    validation = result.validation
+    assert len(validation["acceptance_by_position"]) == 6 and validation["mean_accepted_length"] >= 1.0
