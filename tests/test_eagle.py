@@ -122,6 +122,8 @@ def test_config_and_vocabulary_are_validated():
         EagleHead(target, EagleConfig(feature_layers=(0, 1), draft_vocab_size=2), torch.tensor([3, 500]))
     with pytest.raises(ConfigError, match="top_k"):
         EagleDrafterConfig(top_k=0)
+    with pytest.raises(ConfigError, match="exceeds the head's draft vocabulary"):
+        EagleDrafter(target, EagleDrafterConfig(top_k=VOCAB_D + 1), head=make_head(target))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

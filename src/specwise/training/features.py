@@ -239,7 +239,7 @@ def iter_labelled(corpus_dir: str | Path, vocab: torch.Tensor, hidden_layers: tu
         missing = [i for i in hidden_layers if f"hidden_{i}" not in features]
         if missing:
             raise ConfigError(f"{shard.name} has no hidden states of layer {missing[0]}; extract features with "
-                              f"hidden_layers={list(hidden_layers)} into a fresh corpus directory.")
+                              f"hidden_layers={list(hidden_layers)} into their own features_dir.")
         hidden = torch.cat([features[f"hidden_{i}"] for i in hidden_layers], dim=-1) if hidden_layers else None
         offset = 0
         for seq in read_shard(shard):
