@@ -120,10 +120,28 @@ def test_config_and_vocabulary_are_validated():
         EagleHead(target, EagleConfig(feature_layers=(0, 5), draft_vocab_size=4), torch.arange(4))
     with pytest.raises(DrafterError, match="outside the target's 128 tokens"):
         EagleHead(target, EagleConfig(feature_layers=(0, 1), draft_vocab_size=2), torch.tensor([3, 500]))
-    with pytest.raises(ConfigError, match="top_k"):
-        EagleDrafterConfig(top_k=0)
+    with pytest.raises(ConfigError, match="tree_top_k"):
+        EagleDrafterConfig(tree_top_k=0)
     with pytest.raises(ConfigError, match="exceeds the head's draft vocabulary"):
-        EagleDrafter(target, EagleDrafterConfig(top_k=VOCAB_D + 1), head=make_head(target))
+        EagleDrafter(target, EagleDrafterConfig(tree_top_k=VOCAB_D + 1), head=make_head(target))
+
+
+def test_no_method_option_shadows_a_generate_argument():
+    """``generate(..., top_k=8)`` is the sampling top-k; the tree's own is ``tree_top_k``."""
+    from dataclasses import dataclass
+
+    from specwise.drafters.base import METHODS, RESERVED_OPTION_NAMES, MethodConfig, MethodRegistry
+
+    for name in METHODS.names():
+        fields = set(METHODS.get(name).config_cls.__dataclass_fields__)
+        assert not fields & RESERVED_OPTION_NAMES, name
+
+    @dataclass(frozen=True)
+    class Clashing(MethodConfig):
+        top_k: int = 4
+
+    with pytest.raises(ValueError, match="named like generate"):
+        MethodRegistry().register("x", Clashing, "")(lambda target, config: None)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -139,7 +157,7 @@ def test_feature_taps_match_the_targets_hidden_states(arch):
             super()._queue(hidden_states, next_tokens)
 
     prompt = random_prompt(12, seed=3)
-    drafter = Tap(target, EagleDrafterConfig(depth=3, top_k=16, total_tokens=20), head=make_head(target))
+    drafter = Tap(target, EagleDrafterConfig(depth=3, tree_top_k=16, total_tokens=20), head=make_head(target))
     tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=20, sampling=SamplingConfig())
     committed = torch.cat([prompt, torch.tensor(tokens)])
     taps = torch.cat(seen)
@@ -173,7 +191,7 @@ def test_dynamic_tree_equals_the_brute_force_reference(depth, k, total):
     target = make_target("llama", attn_implementation="sdpa")
     head = make_head(target, window=8)  # the prompt is longer than the window
     ids = random_prompt(15, seed=7)
-    drafter = _prefilled(target, head, ids, depth=depth, top_k=k, total_tokens=total)
+    drafter = _prefilled(target, head, ids, depth=depth, tree_top_k=k, total_tokens=total)
     proposal = drafter.propose(DraftContext(ids, 50, SamplingConfig(), None, ids.numel() - 1))
     features = target_features(target, ids[:-1])
     tokens, parents = reference_tree(head, features, ids[1:], depth, k, total)
@@ -185,12 +203,12 @@ def test_dynamic_tree_equals_the_brute_force_reference(depth, k, total):
 def test_tree_depth_shrinks_with_the_budget():
     target = make_target("llama")
     ids = random_prompt(6, seed=1)
-    drafter = _prefilled(target, make_head(target), ids, depth=5, top_k=3, total_tokens=40)
+    drafter = _prefilled(target, make_head(target), ids, depth=5, tree_top_k=3, total_tokens=40)
     proposal = drafter.propose(DraftContext(ids, 2, SamplingConfig(), None, ids.numel() - 1))
     from specwise.tree import DraftTree
 
     assert int(DraftTree.build(ids[-1], proposal.tokens, proposal.parents).depth.max()) == 2
-    drafter = _prefilled(target, make_head(target), ids, depth=5, top_k=3, total_tokens=40)
+    drafter = _prefilled(target, make_head(target), ids, depth=5, tree_top_k=3, total_tokens=40)
     assert drafter.propose(DraftContext(ids, 0, SamplingConfig(), None, ids.numel() - 1)).tokens.numel() == 0
 
 
@@ -199,7 +217,7 @@ def test_head_cache_after_partial_acceptance_equals_a_fresh_run(arch):
     target = make_target(arch, eos=(), attn_implementation="sdpa")
     head = make_head(target, window=10)
     prompt = random_prompt(9, seed=11)
-    drafter = EagleDrafter(target, EagleDrafterConfig(depth=4, top_k=24, total_tokens=30), head=head)
+    drafter = EagleDrafter(target, EagleDrafterConfig(depth=4, tree_top_k=24, total_tokens=30), head=head)
     tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=24, sampling=SamplingConfig())
     partial = [a for a in stats.accepted_lengths if 0 < a]
     assert partial and stats.accepted_tokens < stats.drafted_tokens  # some accepted, some rejected
@@ -223,7 +241,7 @@ def test_greedy_equals_plain_decoding(arch, depth, k, total):
     target = make_target(arch, eos=(), attn_implementation="sdpa")
     head = make_head(target, window=8)  # windowed: the prompt and the generation outrun it
     prompt = random_prompt(20, seed=2)
-    drafter = EagleDrafter(target, EagleDrafterConfig(depth=depth, top_k=k, total_tokens=total), head=head)
+    drafter = EagleDrafter(target, EagleDrafterConfig(depth=depth, tree_top_k=k, total_tokens=total), head=head)
     tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
     assert tokens == reference_greedy(target.model, prompt, 30)
     assert max(len(stats.drafted_by_position), 1) <= depth
@@ -234,7 +252,7 @@ def test_public_api_runs_eagle_with_a_given_drafter(tmp_path):
     path = _save(target, make_head(target), tmp_path / "eagle")
     prompt = random_prompt(10, seed=4)
     text_ids = specwise.generate(target, prompt, method="eagle", drafter=str(path), max_new_tokens=12,
-                                 depth=3, top_k=8, total_tokens=12).token_ids
+                                 depth=3, tree_top_k=8, total_tokens=12).token_ids
     assert text_ids == reference_greedy(target.model, prompt, 12)
 
 
@@ -260,11 +278,11 @@ def test_checkpoint_round_trip_and_vocabulary_mapping(tmp_path):
     rounded = {k: v.to(torch.bfloat16).double() for k, v in head.state_dict().items()}
     for name, value in loaded.state_dict().items():
         torch.testing.assert_close(value, rounded[name], rtol=0, atol=0)
-    drafter = load_drafter(path, target, depth=3, top_k=4, total_tokens=8)
+    drafter = load_drafter(path, target, depth=3, tree_top_k=4, total_tokens=8)
     assert isinstance(drafter, EagleDrafter) and drafter.target_hidden_layers == LAYERS
     ids = random_prompt(8, seed=1)
-    a = _prefilled(target, loaded, ids, depth=3, top_k=4, total_tokens=8)
-    b = _prefilled(target, drafter.head, ids, depth=3, top_k=4, total_tokens=8)
+    a = _prefilled(target, loaded, ids, depth=3, tree_top_k=4, total_tokens=8)
+    b = _prefilled(target, drafter.head, ids, depth=3, tree_top_k=4, total_tokens=8)
     ctx = DraftContext(ids, 10, SamplingConfig(), None, ids.numel() - 1)
     assert a.propose(ctx).tokens.tolist() == b.propose(ctx).tokens.tolist()
 

@@ -71,7 +71,7 @@ def _eagle(target):
     torch.manual_seed(5)
     config = EagleConfig(feature_layers=(0, 2), draft_vocab_size=6, num_heads=2, head_dim=8, intermediate_size=16)
     head = EagleHead(target, config, torch.tensor([4, 3, 5, 6, 0, 2])).double()
-    return EagleDrafter(target, EagleDrafterConfig(depth=2, top_k=2, total_tokens=4),
+    return EagleDrafter(target, EagleDrafterConfig(depth=2, tree_top_k=2, total_tokens=4),
                         head=head.eval().requires_grad_(False))
 
 

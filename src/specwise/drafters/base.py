@@ -82,8 +82,15 @@ class MethodSpec:
         return self.config_cls(**options)
 
 
+#: keyword arguments of ``specwise.generate`` (and their CLI flags): a method option may not reuse
+#: one, or ``generate(..., top_k=8)`` would silently mean the other thing
+RESERVED_OPTION_NAMES = frozenset({"target", "prompt", "method", "max_new_tokens", "temperature", "top_k", "top_p",
+                                   "repetition_penalty", "seed", "stop", "streamer"})
+
+
 class MethodRegistry:
-    """Maps method names to :class:`MethodSpec`; duplicate names and unknown names are errors."""
+    """Maps method names to :class:`MethodSpec`; duplicate names, unknown names and option names
+    that shadow ``specwise.generate``'s own arguments are errors."""
 
     def __init__(self) -> None:
         self._specs: dict[str, MethodSpec] = {}
@@ -94,6 +101,9 @@ class MethodRegistry:
         def decorate(factory):
             if name in self._specs:
                 raise ValueError(f"a drafting method named {name!r} is already registered")
+            clash = sorted({f.name for f in dataclasses.fields(config_cls)} & RESERVED_OPTION_NAMES)
+            if clash:
+                raise ValueError(f"method {name!r} has options named like generate() arguments: {', '.join(clash)}")
             self._specs[name] = MethodSpec(name, config_cls, factory, summary)
             if isinstance(factory, type):
                 factory.method = name

@@ -6,11 +6,11 @@ Per step:
    each from the target's fused features there and the token that follows (the accepted drafts
    and the new root). Speculative entries of the last tree are never kept, so the head's cache
    and features follow exactly the accepted path.
-2. **Expand.** The root's output gives the depth-1 candidates: the ``top_k`` draft-vocabulary
-   tokens, scored by log-probability. Then for each further level, the ``top_k`` best nodes of the
+2. **Expand.** The root's output gives the depth-1 candidates: the ``tree_top_k`` draft-vocabulary
+   tokens, scored by log-probability. Then for each further level, the ``tree_top_k`` best nodes of the
    previous level by cumulative score (the sum of log-probabilities along the path, which
    approximates the log of the path's acceptance probability) run through the head as one batch,
-   each attending to the committed cache and its own ancestors, and each proposes its ``top_k``
+   each attending to the committed cache and its own ancestors, and each proposes its ``tree_top_k``
    children. ``depth`` levels take ``depth`` head forwards.
 3. **Rerank.** The ``total_tokens`` best nodes of all levels form the tree. Scores never increase
    along a path, and ties go to the earlier-created node, so this set always contains every
@@ -39,17 +39,18 @@ from specwise.types import DraftContext, Proposal, StepFeedback
 
 @dataclass(frozen=True)
 class EagleDrafterConfig(MethodConfig):
-    """Options of ``eagle`` (the dynamic tree's budget)."""
+    """Options of ``eagle`` (the dynamic tree's budget). ``tree_top_k`` is EAGLE-2's ``top_k``,
+    renamed so it cannot be mistaken for the sampling option ``top_k``."""
 
     drafter: str | None = None  # EAGLE head directory; None = the one shipped for the target
     # defaults: the fastest of 6 settings on this CPU for the shipped gemma-3-270m head (README):
     # each verified token costs ~7% of a target step here, so small trees win at its acceptance
     depth: int = 4  # tree levels below the root (head forwards per step)
-    top_k: int = 4  # children per expanded node, and nodes expanded per level
+    tree_top_k: int = 4  # children per expanded node, and nodes expanded per level (EAGLE's top_k)
     total_tokens: int = 8  # draft nodes verified per step (the root excluded)
 
     def __post_init__(self) -> None:
-        for name in ("depth", "top_k", "total_tokens"):
+        for name in ("depth", "tree_top_k", "total_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
@@ -110,8 +111,8 @@ class EagleDrafter(Drafter):
         if weight.dtype != target.dtype or weight.device != target.device:
             raise DrafterError(f"the EAGLE head is {weight.dtype} on {weight.device} but the target {target.name} "
                                f"is {target.dtype} on {target.device}; move it with .to(dtype=..., device=...).")
-        if config.top_k > head.config.draft_vocab_size:
-            raise ConfigError(f"top_k ({config.top_k}) exceeds the head's draft vocabulary "
+        if config.tree_top_k > head.config.draft_vocab_size:
+            raise ConfigError(f"tree_top_k ({config.tree_top_k}) exceeds the head's draft vocabulary "
                               f"({head.config.draft_vocab_size} tokens).")
         self.head = head
         self.target_hidden_layers = tuple(head.config.feature_layers)
@@ -166,7 +167,7 @@ class EagleDrafter(Drafter):
         device = ctx.token_ids.device
         if depth <= 0:
             return Proposal.empty(device)
-        k = cfg.top_k
+        k = cfg.tree_top_k
         cache_keys, cache_values = self._window()
         m = cache_keys.shape[0]
         base = self.cache.length  # rotary position of a depth-1 node's entry
