@@ -59,12 +59,21 @@ class DraftLMConfig:
         return tuple(out)
 
 
-class _Borrowed:
-    """Target tensors a drafter uses but does not own (kept out of ``state_dict`` and the optimizer)."""
+class Borrowed:
+    """Target tensors a drafter uses but does not own (kept out of ``state_dict`` and the optimizer).
+
+    Built by :meth:`from_target`: the target's input embedding module and its LM-head rows of a draft
+    vocabulary."""
 
     def __init__(self, embed: nn.Module, head: torch.Tensor) -> None:
         self.embed = embed  # the target's input embedding module
         self.head = head  # shape: [Vd, H], the target's LM-head rows of the draft vocabulary
+
+    @staticmethod
+    def from_target(target, vocab: torch.Tensor) -> "Borrowed":
+        """``vocab``: ``[Vd]`` int64 target token ids."""
+        head = target.model.get_output_embeddings().weight
+        return Borrowed(target.model.get_input_embeddings(), head[vocab.to(head.device)].detach())
 
 
 class DraftLM(nn.Module):
@@ -107,8 +116,7 @@ class DraftLM(nn.Module):
                 mine.load_state_dict(decoder.layers[source].state_dict())
             self.decoder.norm.load_state_dict(decoder.norm.state_dict())
         self.register_buffer("vocab", vocab.clone().long(), persistent=False)  # shape: [Vd]
-        head = target.model.get_output_embeddings().weight
-        self._borrowed = _Borrowed(target.model.get_input_embeddings(), head[vocab.to(head.device)].detach())
+        self._borrowed = Borrowed.from_target(target, vocab)
 
     def forward(self, input_ids: torch.Tensor, cache=None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits over the draft vocabulary.

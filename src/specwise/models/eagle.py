@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specwise.errors import ConfigError, DrafterError
+from specwise.models.draft_lm import Borrowed
 
 
 @dataclass(frozen=True)
@@ -85,14 +86,6 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-class _Borrowed:
-    """Target modules and tensors the head uses but does not own (kept out of ``state_dict``)."""
-
-    def __init__(self, embed: nn.Module, head: torch.Tensor) -> None:
-        self.embed = embed  # the target's input embedding module
-        self.head = head  # shape: [Vd, H], the target's LM-head rows of the draft vocabulary
-
-
 class EagleHead(nn.Module):
     """An EAGLE-3 draft head for one target.
 
@@ -140,8 +133,7 @@ class EagleHead(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
         self.final_norm = nn.RMSNorm(hidden, eps=eps)
         self.register_buffer("vocab", vocab.clone().long(), persistent=False)  # shape: [Vd]
-        head = target.model.get_output_embeddings().weight
-        self._borrowed = _Borrowed(target.model.get_input_embeddings(), head[vocab.to(head.device)].detach())
+        self._borrowed = Borrowed.from_target(target, vocab)
         if initialize:
             self._initialize()
 

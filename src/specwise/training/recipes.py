@@ -80,25 +80,13 @@ def train_draft(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
     borrowed = int(pick("borrowed_layers"))
     model = DraftLM(target, DraftLMConfig(init_layers=init_layers, draft_vocab_size=size, borrowed_layers=borrowed),
                     vocab).to_own(torch.float32)
-    steps = getattr(args, "steps", None)
-    minutes = None if steps else float(pick("minutes"))
-    config = TrainConfig(steps=steps, minutes=minutes, lr=float(pick("lr")), grad_accum=args.grad_accum,
-                         seed=args.seed, validate_every=args.validate_every)
-    result = train(model, recipe, config, out / "trainer")
-    recipe_record = {
-        "recipe": "draft-lm distillation (soft cross-entropy on target top-k, draft vocabulary)",
-        "corpus": json.loads((corpus / "corpus.json").read_text()) if (corpus / "corpus.json").exists() else {},
-        "train_tokens_per_epoch": recipe.train_tokens, "tokens_seen": result.tokens, "steps": result.steps,
-        "train_minutes": round(result.seconds / 60, 1), "feature_minutes": round(feature_minutes, 1),
-        "top_k": args.top_k, "data": dataclasses.asdict(recipe_config),
-        "optimizer": config_dict(config), "log": f"trainer/{LOG_NAME}",
-    }
-    _write_checkpoint("draft", model, {**model.trainable_state_dict(), "draft_vocab": vocab.to(torch.int32)},
-                      target, out, recipe_record, result, say)
+    _train_and_save("draft", "draft-lm distillation (soft cross-entropy on target top-k, draft vocabulary)",
+                    model, recipe, recipe_config, vocab, target, corpus, out, args, float(pick("lr")),
+                    float(pick("minutes")), feature_minutes, say)
     return out
 
 
-EAGLE_DEFAULTS = {"lr": 6e-4, "batch_tokens": 4096, "draft_vocab_size": 16384, "minutes": 45.0, "ttt_steps": 3,
+EAGLE_DEFAULTS = {"lr": 8e-4, "batch_tokens": 4096, "draft_vocab_size": 16384, "minutes": 45.0, "ttt_steps": 3,
                   "max_length": 1024}
 
 
@@ -133,30 +121,34 @@ def train_eagle(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
     say(f"training on {recipe.train_tokens} tokens ({len(recipe.train_examples)} sequences), "
         f"{len(recipe.validation_examples)} validation sequences, feature layers {list(layers)}")
     model = EagleHead(target, EagleConfig(feature_layers=layers, draft_vocab_size=size, window=max_length), vocab)
+    _train_and_save("eagle", "EAGLE-3 training-time test (soft cross-entropy on target top-k, draft vocabulary)",
+                    model, recipe, recipe_config, vocab, target, corpus, out, args, float(pick("lr")),
+                    float(pick("minutes")), feature_minutes, say)
+    return out
+
+
+def _train_and_save(method: str, description: str, model, recipe, recipe_config, vocab: torch.Tensor, target,
+                    corpus: Path, out: Path, args: argparse.Namespace, lr: float, minutes: float,
+                    feature_minutes: float, say: Callable[[str], None]) -> None:
+    """Train ``model`` on ``recipe`` (``--steps``, else ``minutes``), then on rank 0 write the checkpoint
+    (own weights + draft vocabulary, the recipe record, the last validation) and the training curve."""
     steps = getattr(args, "steps", None)
-    minutes = None if steps else float(pick("minutes"))
-    config = TrainConfig(steps=steps, minutes=minutes, lr=float(pick("lr")), grad_accum=args.grad_accum,
+    config = TrainConfig(steps=steps, minutes=None if steps else minutes, lr=lr, grad_accum=args.grad_accum,
                          seed=args.seed, validate_every=args.validate_every)
     result = train(model, recipe, config, out / "trainer")
-    recipe_record = {
-        "recipe": "EAGLE-3 training-time test (soft cross-entropy on target top-k, draft vocabulary)",
+    if not is_main_process():
+        return
+    record = {
+        "recipe": description,
         "corpus": json.loads((corpus / "corpus.json").read_text()) if (corpus / "corpus.json").exists() else {},
         "train_tokens_per_epoch": recipe.train_tokens, "tokens_seen": result.tokens, "steps": result.steps,
         "train_minutes": round(result.seconds / 60, 1), "feature_minutes": round(feature_minutes, 1),
         "top_k": args.top_k, "data": dataclasses.asdict(recipe_config),
         "optimizer": config_dict(config), "log": f"trainer/{LOG_NAME}",
     }
-    _write_checkpoint("eagle", model, {**model.trainable_state_dict(), "draft_vocab": vocab.to(torch.int32)},
-                      target, out, recipe_record, result, say)
-    return out
-
-
-def _write_checkpoint(method, model, tensors, target, out: Path, recipe_record, result, say) -> None:
-    """Rank 0 writes the checkpoint and the training curve."""
-    if not is_main_process():
-        return
+    tensors = {**model.trainable_state_dict(), "draft_vocab": vocab.to(torch.int32)}
     checkpoint = DrafterCheckpoint(method, model.architecture(), target.name, target_fingerprint(target),
-                                   tensors, recipe_record, {"validation": result.validation})
+                                   tensors, record, {"validation": result.validation})
     save_checkpoint(checkpoint, out)
     from specwise.training.plots import plot_training_curve
 
