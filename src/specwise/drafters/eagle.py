@@ -149,15 +149,11 @@ class EagleDrafter(Drafter):
         q, k, v = head.project(feature, head.embed(tokens), positions)
         self.cache.append(k, v)
         # only the last entry's output is needed: the other entries are keys and values for later
-        keys, values = self._window()
+        begin = max(0, self.cache.length - head.config.window)
+        keys, values = self.cache.keys[begin: self.cache.length], self.cache.values[begin: self.cache.length]
         allowed = torch.ones(1, keys.shape[0], dtype=torch.bool, device=keys.device)
         attended = head.attend(q[-1:], keys, values, allowed)
         return head.finish(feature[-1:], attended)[0]
-
-    def _window(self) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.cache.length
-        begin = max(0, end - self.head.config.window)
-        return self.cache.keys[begin:end], self.cache.values[begin:end]
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> Proposal:
@@ -168,9 +164,13 @@ class EagleDrafter(Drafter):
         if depth <= 0:
             return Proposal.empty(device)
         k = cfg.tree_top_k
-        cache_keys, cache_values = self._window()
-        m = cache_keys.shape[0]
-        base = self.cache.length  # rotary position of a depth-1 node's entry
+        cache = self.cache
+        base = cache.length  # rotary position of a depth-1 node's entry; its scratch row
+        begin = max(0, base - head.config.window)
+        m = base - begin  # committed entries every tree node sees
+        # the expanded nodes' keys and values go to scratch rows past the committed ones (never
+        # committed: the next catch-up overwrites them), so each level attends to a view, not a copy
+        cache.reserve((depth - 1) * k)
         # every node created so far, in creation order: draft-vocabulary index, cumulative score, and
         # parent (creation index; -1 = the root)
         logp = torch.log_softmax(head.logits(root_h).float(), dim=-1).clamp_max(0.0)  # shape: [Vd]
@@ -178,21 +178,20 @@ class EagleDrafter(Drafter):
         all_parent = torch.full((k,), -1, dtype=torch.long, device=device)
         frontier = torch.arange(k, device=device)  # creation indices of the nodes expanded next
         frontier_h = root_h.expand(k, -1)  # the feature each frontier node reads: its parent's output
-        # the expanded nodes' entries; lineage[i, j]: expanded node j is node i's ancestor (or itself)
-        tree_keys = cache_keys[:0]
-        tree_values = cache_values[:0]
+        # lineage[i, j]: expanded node j (scratch row base + j) is frontier node i's ancestor or itself
         lineage = torch.zeros(k, 0, dtype=torch.bool, device=device)
         parent_row = torch.arange(k, device=device)  # each frontier node's parent among the last level's rows
+        committed = torch.ones(k, m, dtype=torch.bool, device=device)
         for level in range(1, depth):
             tokens = head.vocab[all_index[frontier]]
             positions = torch.full((k,), base + level - 1, device=device)
             q, new_k, new_v = head.project(frontier_h, head.embed(tokens), positions)
             lineage = torch.cat([lineage[parent_row], torch.eye(k, dtype=torch.bool, device=device)], dim=1)
-            tree_keys = torch.cat([tree_keys, new_k])
-            tree_values = torch.cat([tree_values, new_v])
-            allowed = torch.cat([torch.ones(k, m, dtype=torch.bool, device=device), lineage], dim=1)
-            attended = head.attend(q, torch.cat([cache_keys, tree_keys]), torch.cat([cache_values, tree_values]),
-                                   allowed)
+            end = base + level * k
+            cache.keys[end - k: end] = new_k
+            cache.values[end - k: end] = new_v
+            attended = head.attend(q, cache.keys[begin:end], cache.values[begin:end],
+                                   torch.cat([committed, lineage], dim=1))
             out_h = head.finish(frontier_h, attended)  # shape: [k, H]
             child_logp = torch.log_softmax(head.logits(out_h).float(), dim=-1).clamp_max(0.0)  # shape: [k, Vd]
             child_scores, child_index = child_logp.topk(k, dim=-1)  # shape: [k, k]

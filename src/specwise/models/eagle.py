@@ -273,9 +273,8 @@ class HeadCache:
         self.values = torch.empty_like(self.keys)
         self.length = 0
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append ``[n, heads, d]`` committed keys and values."""
-        n = k.shape[0]
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` rows past ``length`` (committed entries, or a draft tree's scratch rows)."""
         if self.length + n > self.keys.shape[0]:
             grow = max(2 * self.keys.shape[0], self.length + n)
             for name in ("keys", "values"):
@@ -283,6 +282,11 @@ class HeadCache:
                 new = torch.empty(grow, *old.shape[1:], dtype=old.dtype, device=old.device)
                 new[: self.length] = old[: self.length]
                 setattr(self, name, new)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``[n, heads, d]`` committed keys and values."""
+        n = k.shape[0]
+        self.reserve(n)
         self.keys[self.length: self.length + n] = k
         self.values[self.length: self.length + n] = v
         self.length += n
