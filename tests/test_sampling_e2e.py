@@ -75,7 +75,25 @@ def _eagle(target):
                         head=head.eval().requires_grad_(False))
 
 
+def _medusa(target, acceptance: str = "exact"):
+    """Medusa heads over a reduced vocabulary (6 of 8 tokens), a static tree of 2 heads x top-2."""
+    from specwise.drafters.medusa import MedusaDrafter, MedusaDrafterConfig, MedusaTree
+    from specwise.models.medusa import MedusaConfig, MedusaHeads
+
+    torch.manual_seed(6)
+    heads = MedusaHeads(target, MedusaConfig(num_heads=2, draft_vocab_size=6), torch.tensor([4, 3, 5, 6, 0, 2])).double()
+    with torch.no_grad():
+        for param in heads.parameters():
+            param.normal_(std=0.3)
+    tree = MedusaTree(((0,), (1,), (0, 0), (0, 1), (1, 0)), 5)
+    # thresholds so low that the typical rule accepts nearly every drafted node
+    config = MedusaDrafterConfig(acceptance=acceptance, posterior_threshold=0.01, posterior_alpha=0.01)
+    return MedusaDrafter(target, config, heads=heads.eval().requires_grad_(False), tree=tree)
+
+
 CONFIGS = {
+    "medusa-tree-t0.9": (_medusa, 3, dict(temperature=0.9)),
+    "medusa-tree-topk-topp-penalty": (_medusa, 3, dict(temperature=1.0, top_k=5, top_p=0.9, repetition_penalty=1.3)),
     "eagle-tree-t0.9": (_eagle, 3, dict(temperature=0.9)),
     "eagle-tree-topk-topp-penalty": (_eagle, 3, dict(temperature=1.0, top_k=5, top_p=0.9, repetition_penalty=1.3)),
     "draft-lm-reduced-vocab-t0.9": (_draft_lm, 3, dict(temperature=0.9)),
@@ -122,6 +140,21 @@ def test_statistical_check_detects_a_lossy_verifier(monkeypatch):
         counts[tuple(result.token_ids)] += 1
     with pytest.raises(AssertionError, match="not distributed as expected"):
         assert_distribution(counts, exact, "lossy verifier")
+
+
+def test_medusa_typical_acceptance_is_lossy():
+    """The label stays honest: ``acceptance="typical-lossy"`` fails the distribution test that the
+    exact rule passes with the same heads and tree."""
+    target = make_target("llama", 0, vocab_size=V, eos=())
+    sampling = dict(temperature=0.9)
+    exact = exact_joint(target.model, PROMPT, 3, **sampling)
+    drafter = _medusa(target, acceptance="typical-lossy")
+    counts = np.zeros([V] * 3, np.int64)
+    for seed in range(NUM_SEEDS):
+        result = specwise.generate(target, PROMPT, drafter=drafter, max_new_tokens=3, seed=seed, **sampling)
+        counts[tuple(result.token_ids[:3])] += 1
+    with pytest.raises(AssertionError, match="not distributed as expected"):
+        assert_distribution(counts, exact, "typical acceptance")
 
 
 GREEDY_DRAFTERS = {

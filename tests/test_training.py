@@ -428,6 +428,16 @@ def test_cli_builds_trains_and_generates_end_to_end(tmp_path):
                     "--max-new-tokens", "6", "t5 t9 t11")
     assert generated.returncode == 0, generated.stderr
     assert json.loads(generated.stdout)["token_ids"] == reference_greedy(target.model.float(), ids.cpu(), 6)
+    medusa = run("train", "medusa", *common, "--data", str(tmp_path / "corpus"), "--out", str(tmp_path / "medusa"),
+                 "--steps", "3", "--draft-vocab-size", "64", "--batch-tokens", "64", "--top-k", "4", "--num-heads", "2")
+    assert medusa.returncode == 0, medusa.stderr
+    architecture = json.loads((tmp_path / "medusa" / "config.json").read_text())["architecture"]
+    assert architecture["num_heads"] == 2 and architecture["tree"]["default_nodes"] >= 1
+    assert (tmp_path / "corpus" / "features-medusa-2").is_dir()
+    generated = run("generate", *common, "--method", "medusa", "--drafter", str(tmp_path / "medusa"), "--json",
+                    "--max-new-tokens", "6", "t5 t9 t11")
+    assert generated.returncode == 0, generated.stderr
+    assert json.loads(generated.stdout)["token_ids"] == reference_greedy(target.model.float(), ids.cpu(), 6)
     exported = run("export-hf", str(tmp_path / "draft"), *common[:2], "--out", str(tmp_path / "hf"))
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "hf" / "config.json").exists()

@@ -19,8 +19,9 @@ from specwise.machine import DeviceClock
 from specwise.sampling import SamplingConfig, prefix_token_masks, probs_from_scores, process_logits
 from specwise.target import AttentionLayout
 from specwise.tree import DraftTree
-from specwise.types import DraftContext, Proposal, SpecStats, StepFeedback
-from specwise.verify import greedy_accept, greedy_tree_accept, speculative_sample, tree_speculative_sample
+from specwise.types import DraftContext, Proposal, SpecStats, StepFeedback, TypicalAcceptance
+from specwise.verify import (greedy_accept, greedy_tree_accept, speculative_sample, tree_speculative_sample,
+                             typical_tree_accept)
 
 
 def verify_chain(
@@ -61,6 +62,7 @@ def verify_tree(
     context_ids: torch.Tensor,
     sampling: SamplingConfig,
     generator: torch.Generator | None,
+    typical: TypicalAcceptance | None = None,
 ) -> tuple[list[int], int]:
     """Process the target's logits at every tree node and walk the tree.
 
@@ -70,6 +72,8 @@ def verify_tree(
         draft_probs: ``[n-1, V]`` per draft node, or ``None``.
         sibling_rule: see :func:`specwise.verify.tree_speculative_sample`.
         context_ids: ``[T+1]`` committed tokens ending with the root.
+        typical: when sampling, walk the tree by the lossy typical-acceptance rule instead
+            (:func:`specwise.verify.typical_tree_accept`).
 
     Returns:
         ``(path, next_token)``: accepted node indices (root excluded) and the next root.
@@ -87,6 +91,9 @@ def verify_tree(
         scores = logits if seen is None else process_logits(logits, sampling, seen)
         return greedy_tree_accept(tree.children, tokens, scores.argmax(dim=-1).tolist())
     probs = probs_from_scores(process_logits(logits, sampling, seen))
+    if typical is not None:
+        return typical_tree_accept(tree.parents.tolist(), tokens, probs, typical.posterior_threshold,
+                                   typical.posterior_alpha, generator)
     node_probs = None if draft_probs is None else torch.cat([probs[:1], draft_probs])
     return tree_speculative_sample(tree.children, tokens, probs, node_probs, sibling_rule, generator)
 
@@ -138,7 +145,7 @@ def _run_verification(target, cache, context: torch.Tensor, proposal: Proposal, 
                             layout=AttentionLayout(visible, positions + start))
     draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[tree.kept[1:] - 1]
     path, next_token = verify_tree(result.logits[:n], tree, draft_probs, proposal.sibling_rule,
-                                   context, sampling, generator)
+                                   context, sampling, generator, proposal.typical)
     kept = [0] + path
     cache.commit_path(start, kept)
     hidden = {i: h[kept] for i, h in result.hidden_states.items()}

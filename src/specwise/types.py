@@ -30,6 +30,22 @@ class AuxiliaryTokens:
 
 
 @dataclass(frozen=True)
+class TypicalAcceptance:
+    """Medusa's *typical acceptance* rule (Cai et al. 2024; ALGORITHMS.md §2.6). **Not lossless.**
+
+    When sampling, a draft node is accepted when the target gives its token probability above
+    ``min(posterior_threshold, posterior_alpha * exp(-H(p)))`` (H: the entropy of the target's
+    processed distribution at the parent); the deepest accepted path wins (ties: the larger sum of
+    log-probabilities) and the next root is sampled from the target at its end. Accepting by a
+    threshold instead of a ratio test biases the output toward drafted tokens, so the output
+    distribution is not the target's. Greedy decoding ignores it (greedy verification is exact).
+    """
+
+    posterior_threshold: float = 0.09  # epsilon
+    posterior_alpha: float = 0.3  # delta (Medusa's default is about sqrt(epsilon))
+
+
+@dataclass(frozen=True)
 class Proposal:
     """Draft tokens for one speculation step: a chain, or a tree.
 
@@ -43,6 +59,8 @@ class Proposal:
         sibling_rule: for trees with ``draft_probs``: how siblings were drawn, ``"iid"`` or
             ``"without_replacement"`` (see :func:`specwise.verify.tree_speculative_sample`).
         auxiliary: extra tokens run in the same forward for the drafter (see :class:`AuxiliaryTokens`).
+        typical: for trees: verify by the **lossy** :class:`TypicalAcceptance` rule when sampling,
+            instead of recursive rejection; ``None`` (the default) keeps verification exact.
     """
 
     tokens: torch.Tensor
@@ -50,6 +68,7 @@ class Proposal:
     parents: torch.Tensor | None = None
     sibling_rule: str = "delta"
     auxiliary: AuxiliaryTokens | None = None
+    typical: TypicalAcceptance | None = None
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> "Proposal":

@@ -1,0 +1,176 @@
+"""``medusa``: Medusa heads on the target's final hidden state, verified as a static sparse tree
+(Cai et al. 2024; ALGORITHMS.md §3).
+
+Per step the heads read the target's final hidden state at the last kept position (the one whose
+logits chose the root) — the loop returns it from the verification forward, so drafting costs no
+extra target work, only the heads (one row each). Head k's ranking gives the tokens of every tree
+node at depth k; the tree shape is static: the first ``tree_nodes`` rank paths of the order the
+heads were calibrated with (:mod:`specwise.models.medusa_tree`), stored in their checkpoint.
+
+Acceptance:
+
+* ``acceptance="exact"`` (default): greedy verification, or recursive rejection sampling with delta
+  proposals. The tree is a deterministic function of the context, so a point mass is each node's
+  exact proposal distribution and the output is distributed exactly as the target's.
+* ``acceptance="typical-lossy"``: Medusa's typical acceptance when sampling
+  (:class:`specwise.types.TypicalAcceptance`). Faster at high temperature, **not lossless**: the
+  output distribution differs from the target's (a test demonstrates it). Greedy decoding is exact
+  either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specwise.drafters.base import Drafter, MethodConfig, register_drafter
+from specwise.errors import ConfigError, DrafterError
+from specwise.models.medusa import MedusaConfig, MedusaHeads
+from specwise.models.medusa_tree import tree_from_paths
+from specwise.types import DraftContext, Proposal, StepFeedback, TypicalAcceptance
+
+ACCEPTANCE_RULES = ("exact", "typical-lossy")
+
+
+@dataclass(frozen=True)
+class MedusaDrafterConfig(MethodConfig):
+    """Options of ``medusa``."""
+
+    drafter: str | None = None  # Medusa heads directory; None = the heads shipped for the target
+    tree_nodes: int | None = None  # draft nodes per step: the first N calibrated paths (None = the heads' default)
+    acceptance: str = "exact"  # "exact" (lossless) or "typical-lossy" (Medusa's typical acceptance, not lossless)
+    posterior_threshold: float = 0.09  # typical-lossy: epsilon
+    posterior_alpha: float = 0.3  # typical-lossy: delta
+
+    def __post_init__(self) -> None:
+        if self.tree_nodes is not None and (not isinstance(self.tree_nodes, int) or self.tree_nodes < 1):
+            raise ConfigError(f"tree_nodes must be an integer >= 1, got {self.tree_nodes!r}.")
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise ConfigError(f"acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}.")
+        if not 0 < self.posterior_threshold <= 1 or not self.posterior_alpha > 0:
+            raise ConfigError("posterior_threshold must be in (0, 1] and posterior_alpha > 0.")
+
+
+@dataclass(frozen=True)
+class MedusaTree:
+    """A calibrated static tree: rank paths in order of estimated acceptance, the default size, and
+    each path's estimated probability of greedy acceptance (on the calibration data)."""
+
+    paths: tuple[tuple[int, ...], ...]
+    default_nodes: int
+    probabilities: tuple[float, ...] = ()
+
+    def as_dict(self) -> dict:
+        return {"paths": [list(p) for p in self.paths], "default_nodes": self.default_nodes,
+                "probabilities": [round(p, 5) for p in self.probabilities]}
+
+    @staticmethod
+    def from_dict(data: dict) -> "MedusaTree":
+        return MedusaTree(tuple(tuple(int(r) for r in p) for p in data["paths"]), int(data["default_nodes"]),
+                          tuple(float(p) for p in data.get("probabilities", ())))
+
+
+def chain_tree(num_heads: int) -> MedusaTree:
+    """The uncalibrated default: a chain of each head's top-1 token."""
+    return MedusaTree(tuple((0,) * d for d in range(1, num_heads + 1)), num_heads)
+
+
+def load_medusa_heads(path, target) -> tuple[MedusaHeads, MedusaTree]:
+    """Load Medusa heads and their calibrated tree for ``target`` (in its dtype and on its device).
+
+    Raises:
+        DrafterError: not a Medusa checkpoint, trained for another target, or weights that do not fit.
+    """
+    from specwise.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(path, target, method="medusa")
+    arch = dict(ckpt.architecture)
+    tree_data = arch.pop("tree", None)
+    try:
+        config = MedusaConfig(**arch)
+    except TypeError as exc:
+        raise DrafterError(f"the Medusa heads in {path} have an unknown architecture ({exc}).") from None
+    if "draft_vocab" not in ckpt.tensors:
+        raise DrafterError(f"the Medusa heads in {path} have no draft vocabulary table.")
+    heads = MedusaHeads(target, config, ckpt.tensors["draft_vocab"].long())
+    weights = {k: v for k, v in ckpt.tensors.items() if k != "draft_vocab"}
+    missing, unexpected = heads.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise DrafterError(f"the weights in {path} do not fit the Medusa heads (missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}).")
+    tree = MedusaTree.from_dict(tree_data) if tree_data else chain_tree(config.num_heads)
+    return heads.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False), tree
+
+
+@register_drafter("medusa", MedusaDrafterConfig, "Medusa heads on the target's last hidden state, static draft tree")
+class MedusaDrafter(Drafter):
+    """Medusa-1 drafting: K heads, a calibrated static tree.
+
+    Args:
+        target: the :class:`specwise.target.Target`.
+        config: :class:`MedusaDrafterConfig`; ``config.drafter`` names the heads unless ``heads`` is
+            given; without either, the heads shipped for the target are used.
+        heads: already built :class:`MedusaHeads` (in the target's dtype, on its device).
+        tree: the static tree for ``heads`` (default: a chain of top-1 tokens, one per head).
+
+    Raises:
+        DrafterError: no heads given and none ship for the target, heads trained for another
+            target, or heads in another dtype / on another device.
+        ConfigError: a tree path deeper than the heads, or ``tree_nodes`` above the calibrated paths.
+    """
+
+    def __init__(self, target, config: MedusaDrafterConfig, heads: MedusaHeads | None = None,
+                 tree: MedusaTree | None = None) -> None:
+        from specwise.drafters.draft_model import shipped_drafter
+
+        self.config = config
+        if heads is None:
+            path = config.drafter or shipped_drafter(target, "medusa")
+            if path is None:
+                raise DrafterError(f"method 'medusa' needs Medusa heads for target {target.name}: pass "
+                                   f"--drafter PATH (train them with `specwise train medusa`).")
+            heads, tree = load_medusa_heads(path, target)
+        tree = tree or chain_tree(heads.config.num_heads)
+        weight = heads.scale
+        if weight.dtype != target.dtype or weight.device != target.device:
+            raise DrafterError(f"the Medusa heads are {weight.dtype} on {weight.device} but the target {target.name} "
+                               f"is {target.dtype} on {target.device}; move them with .to(dtype=..., device=...).")
+        nodes = config.tree_nodes or tree.default_nodes
+        if nodes > len(tree.paths):
+            raise ConfigError(f"tree_nodes={nodes} but the heads' calibrated tree has {len(tree.paths)} paths.")
+        paths = list(tree.paths[:nodes])
+        depths, ranks, parents = tree_from_paths(paths)
+        if int(depths.max()) > heads.config.num_heads:
+            raise ConfigError(f"the tree is {int(depths.max())} deep but there are {heads.config.num_heads} heads.")
+        self.heads = heads
+        device = target.device
+        self._depths, self._ranks, self._parents = depths.to(device), ranks.to(device), parents.to(device)
+        self._used_heads = int(depths.max())
+        self._top = int(ranks.max()) + 1  # ranks needed from each head
+        if self._top > heads.config.draft_vocab_size:
+            raise ConfigError(f"the tree uses rank {self._top - 1} but the draft vocabulary has "
+                              f"{heads.config.draft_vocab_size} tokens.")
+        self._typical = (TypicalAcceptance(config.posterior_threshold, config.posterior_alpha)
+                         if config.acceptance == "typical-lossy" else None)
+        self.target_hidden_layers = (heads.config.hidden_layer,)
+        self.reset()
+
+    def reset(self) -> None:
+        self._hidden: torch.Tensor | None = None  # [H] the target's final hidden state at the root's parent
+
+    def prefill(self, ctx: DraftContext) -> None:
+        self._hidden = ctx.hidden_states[self.heads.config.hidden_layer][-1]
+
+    def observe(self, feedback: StepFeedback) -> None:
+        self._hidden = feedback.hidden_states[self.heads.config.hidden_layer][-1]
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext) -> Proposal:
+        depth = min(self._used_heads, ctx.max_draft_tokens)
+        if depth <= 0 or self._hidden is None:
+            return Proposal.empty(ctx.token_ids.device)
+        logits = self.heads(self._hidden, heads=self._used_heads)  # shape: [K', Vd]
+        top = logits.topk(self._top, dim=-1).indices  # shape: [K', R]
+        tokens = self.heads.vocab[top[self._depths - 1, self._ranks]]  # shape: [N]
+        return Proposal(tokens, parents=self._parents, typical=self._typical)

@@ -1,0 +1,137 @@
+"""Medusa heads on the frozen target (Cai et al. 2024; ALGORITHMS.md §3).
+
+Head ``k`` (1-based) reads the target's final hidden state ``h_t`` (post final norm, the vector the
+target's LM head reads; HF ``hidden_states[L]``) and predicts the token ``k + 1`` positions ahead,
+``x_{t+1+k}`` (the target's own LM head predicts ``x_{t+1}``, the root).
+
+Each head is its own stack of ``num_layers`` residual blocks followed by an output layer:
+
+* **Residual block** (Medusa's ``ResBlock``): ``u + SiLU(W u + b)`` with ``W``, ``b`` zero-initialised,
+  so an untrained head reproduces the target's next-token distribution. The blocks work on the
+  hidden state divided by a fixed per-dimension scale ``s`` (the root-mean-square of each dimension
+  of ``h`` over the training corpus, a stored buffer), ``u = h / s``, and multiply back at the end.
+  Gemma-3's final norm leaves a few dimensions hundreds of times larger than the rest; without the
+  scale they would dominate ``W u``.
+* **Output layer**: the target's LM-head rows of a reduced **draft vocabulary** (frequency-ranked
+  from the corpus, FR-Spec, ALGORITHMS.md §9), borrowed at load time and kept frozen. Medusa
+  initialises each head's output layer as a copy of the LM head; sharing the frozen rows instead
+  keeps a head at ``H*H + H`` parameters per block, so a set of heads ships in a few MB.
+
+Heads are distinct modules (``ALGORITHMS.md`` §3.1 lists the reference code's shared-``ResBlock``
+bug); the tests check it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specwise.errors import ConfigError, DrafterError
+from specwise.models.draft_lm import Borrowed
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    """Architecture of a set of Medusa heads."""
+
+    num_heads: int = 4  # K: head k predicts the token k+1 positions ahead
+    num_layers: int = 1  # residual blocks per head
+    draft_vocab_size: int = 16384  # rows of the (borrowed) output layer
+    hidden_layer: int = -1  # HF hidden_states index the heads read: the target's final (normed) state
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_layers", "draft_vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
+
+
+def final_hidden_layer(target) -> int:
+    """HF ``hidden_states`` index of ``target``'s final hidden state (after its final norm)."""
+    return int(target.model.config.get_text_config().num_hidden_layers)
+
+
+class ResBlock(nn.Module):
+    """``u + SiLU(W u + b)``, zero-initialised (the identity before training). ``u``: ``[..., H]``."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return u + F.silu(self.linear(u))
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads over the target's final hidden state.
+
+    Args:
+        target: the :class:`specwise.target.Target` whose LM-head rows are borrowed.
+        config: :class:`MedusaConfig`; ``hidden_layer=-1`` means the target's final hidden state.
+        vocab: ``[Vd]`` int64 target token ids of the draft vocabulary.
+
+    Raises:
+        DrafterError: ``vocab`` does not match ``config.draft_vocab_size``, or ``hidden_layer`` is
+            not the target's final hidden state.
+    """
+
+    def __init__(self, target, config: MedusaConfig, vocab: torch.Tensor) -> None:
+        super().__init__()
+        final = final_hidden_layer(target)
+        if config.hidden_layer == -1:
+            config = MedusaConfig(config.num_heads, config.num_layers, config.draft_vocab_size, final)
+        if config.hidden_layer != final:
+            raise DrafterError(f"Medusa heads read the target's final hidden state (index {final} for "
+                               f"{target.name}), not index {config.hidden_layer}.")
+        if vocab.numel() != config.draft_vocab_size:
+            raise DrafterError(f"draft vocabulary has {vocab.numel()} ids but the config says {config.draft_vocab_size}.")
+        self.config = config
+        hidden_size = int(target.model.config.get_text_config().hidden_size)
+        self.heads = nn.ModuleList(
+            nn.Sequential(*[ResBlock(hidden_size) for _ in range(config.num_layers)]) for _ in range(config.num_heads))
+        # per-dimension RMS of the target's final hidden state over the training corpus (set_scale)
+        self.register_buffer("scale", torch.ones(hidden_size))  # shape: [H]
+        self.register_buffer("vocab", vocab.clone().long(), persistent=False)  # shape: [Vd]
+        self._borrowed = Borrowed.from_target(target, vocab)
+
+    def set_scale(self, hidden: torch.Tensor) -> None:
+        """Set the per-dimension scale from sample hidden states ``[N, H]`` (their RMS per dimension)."""
+        rms = hidden.float().pow(2).mean(0).sqrt()
+        self.scale.copy_(rms.clamp_min(1e-6 * float(rms.max())))
+
+    def head_states(self, hidden: torch.Tensor, heads: int | None = None) -> list[torch.Tensor]:
+        """Each head's output state ``[..., H]`` for ``hidden`` ``[..., H]`` (the first ``heads`` heads)."""
+        dtype = self.scale.dtype
+        scale = self.scale
+        u = hidden.to(dtype) / scale
+        return [block(u) * scale for block in self.heads[:heads]]
+
+    def head_logits(self, state: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits ``[..., Vd]`` of a head state ``[..., H]``; column j is ``vocab[j]``."""
+        return state @ self._borrowed.head.to(state.dtype).T
+
+    def forward(self, hidden: torch.Tensor, heads: int | None = None) -> torch.Tensor:
+        """Logits of every head.
+
+        Args:
+            hidden: ``[..., H]`` the target's final hidden states (any float dtype).
+            heads: use only the first ``heads`` heads (default all).
+
+        Returns:
+            ``[K, ..., Vd]`` logits over the draft vocabulary; ``[k]`` is head k+1's prediction of
+            the token k+2 positions after each hidden state's position.
+        """
+        states = torch.stack(self.head_states(hidden, heads))
+        return self.head_logits(states)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights a checkpoint stores: the heads' blocks and the scale (not the borrowed rows)."""
+        return dict(self.state_dict())
+
+    def architecture(self) -> dict:
+        return asdict(self.config)
