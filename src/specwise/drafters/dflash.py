@@ -1,0 +1,158 @@
+"""``dflash``: a block-diffusion drafter drafts ``block_size - 1`` tokens in one forward
+(Chen, Liang, Liu 2026; ALGORITHMS.md §7); the target verifies them as a chain.
+
+Per step:
+
+1. **Catch up.** The target's features at the positions it committed last step (the old root and
+   the accepted drafts; at the start, the prompt) become context vectors, and every draft layer
+   caches their keys and values. The block's own keys and values are never cached, so the
+   drafter's cache follows exactly the accepted prefix.
+2. **Draft.** The block ``[root, MASK x (B-1)]`` at positions ``P .. P+B-1`` runs through the layers
+   once, each entry attending to at most ``window`` context keys and to the whole block; entry k's
+   argmax is the draft token at position P+k.
+
+Verification: the drafts are the argmax of the drafter's distributions, a deterministic function
+of the context, so each is proposed with a point mass. Greedy decoding compares them with the
+target's argmax; sampling uses speculative sampling with delta proposals (accept with probability
+p(x), else sample from p with x removed, renormalized), which is exact and accepts with the same
+probability as DFlash's sample-match rule. Sampled drafts with the ratio test were not chosen: the
+drafter's per-position distributions are marginals given only the anchor, far flatter than the
+target's, and the ratio test would accept them less often than their argmax.
+
+Long contexts: at most ``window`` context keys per block with relative rotary positions, so any
+length works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specwise.drafters.base import Drafter, MethodConfig, register_drafter
+from specwise.errors import ConfigError, DrafterError
+from specwise.models.dflash import DFlashConfig, DFlashDrafter
+from specwise.models.eagle import HeadCache
+from specwise.types import DraftContext, Proposal, StepFeedback
+
+
+@dataclass(frozen=True)
+class DFlashDrafterConfig(MethodConfig):
+    """Options of ``dflash``."""
+
+    drafter: str | None = None  # DFlash drafter directory; None = the one shipped for the target
+    num_draft_tokens: int | None = None  # drafts verified per step (<= block_size - 1; None = all of them)
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens is not None and (not isinstance(self.num_draft_tokens, int)
+                                                  or self.num_draft_tokens < 1):
+            raise ConfigError(f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}.")
+
+
+def load_dflash(path, target) -> DFlashDrafter:
+    """Load a DFlash drafter checkpoint for ``target`` (in the target's dtype and on its device).
+
+    Raises:
+        DrafterError: not a DFlash checkpoint, trained for another target, or weights that do not fit.
+    """
+    from specwise.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(path, target, method="dflash")
+    arch = dict(ckpt.architecture)
+    arch["feature_layers"] = tuple(arch.get("feature_layers", ()))
+    try:
+        config = DFlashConfig(**arch)
+    except TypeError as exc:
+        raise DrafterError(f"the DFlash drafter in {path} has an unknown architecture ({exc}).") from None
+    if "draft_vocab" not in ckpt.tensors:
+        raise DrafterError(f"the DFlash drafter in {path} has no draft vocabulary table.")
+    model = DFlashDrafter(target, config, ckpt.tensors["draft_vocab"].long(), initialize=False)
+    weights = {k: v for k, v in ckpt.tensors.items() if k != "draft_vocab"}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise DrafterError(f"the weights in {path} do not fit the DFlash drafter (missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}).")
+    return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+
+
+@register_drafter("dflash", DFlashDrafterConfig, "DFlash block-diffusion drafter: a whole block in one forward")
+class DFlashBlockDrafter(Drafter):
+    """DFlash drafting.
+
+    Args:
+        target: the :class:`specwise.target.Target`.
+        config: :class:`DFlashDrafterConfig`; ``config.drafter`` names the drafter unless ``model``
+            is given; without either, the one shipped for the target is used.
+        model: an already built :class:`DFlashDrafter` (in the target's dtype, on its device).
+
+    Raises:
+        DrafterError: no drafter given and none ships for the target, one trained for another
+            target, or one in another dtype / on another device.
+        ConfigError: ``num_draft_tokens`` above ``block_size - 1``.
+    """
+
+    def __init__(self, target, config: DFlashDrafterConfig, model: DFlashDrafter | None = None) -> None:
+        from specwise.drafters.draft_model import shipped_drafter
+
+        self.config = config
+        if model is None:
+            path = config.drafter or shipped_drafter(target, "dflash")
+            if path is None:
+                raise DrafterError(f"method 'dflash' needs a DFlash drafter for target {target.name}: pass "
+                                   f"--drafter PATH (train one with `specwise train dflash`).")
+            model = load_dflash(path, target)
+        if model.dtype != target.dtype or model.fc.weight.device != target.device:
+            raise DrafterError(f"the DFlash drafter is {model.dtype} on {model.fc.weight.device} but the target "
+                               f"{target.name} is {target.dtype} on {target.device}; move it with .to(dtype=..., device=...).")
+        drafts = model.config.block_size - 1
+        if config.num_draft_tokens is not None and config.num_draft_tokens > drafts:
+            raise ConfigError(f"num_draft_tokens={config.num_draft_tokens} but a block of {model.config.block_size} "
+                              f"drafts at most {drafts}.")
+        self.model = model
+        self.num_draft_tokens = config.num_draft_tokens or drafts
+        self.target_hidden_layers = tuple(model.config.feature_layers)
+        self.reset()
+
+    def reset(self) -> None:
+        cfg, dtype, device = self.model.config, self.model.dtype, self.model.fc.weight.device
+        self.caches = [HeadCache(cfg.num_heads, cfg.head_dim, dtype, device) for _ in range(cfg.num_layers)]
+        self._pending: list[torch.Tensor] = []  # [n, F*H] target features not yet in the caches
+
+    def _queue(self, hidden_states: dict[int, torch.Tensor]) -> None:
+        self._pending.append(torch.cat([hidden_states[i] for i in self.target_hidden_layers], dim=-1))
+
+    def prefill(self, ctx: DraftContext) -> None:
+        self._queue(ctx.hidden_states)
+
+    def observe(self, feedback: StepFeedback) -> None:
+        self._queue(feedback.hidden_states)
+
+    @torch.inference_mode()
+    def _catch_up(self) -> None:
+        if not self._pending:
+            return
+        features = torch.cat(self._pending)
+        self._pending = []
+        start = self.caches[0].length
+        positions = torch.arange(start, start + features.shape[0], device=features.device)
+        context = self.model.fuse(features)
+        for cache, (k, v) in zip(self.caches, self.model.context_keys_values(context, positions)):
+            cache.append(k, v)
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext) -> Proposal:
+        self._catch_up()
+        count = min(self.num_draft_tokens, ctx.max_draft_tokens)
+        if count <= 0:
+            return Proposal.empty(ctx.token_ids.device)
+        model, size = self.model, self.model.config.block_size
+        length = self.caches[0].length  # = the root's position
+        begin = max(0, length - model.config.window)
+        device = ctx.token_ids.device
+        x = model.block_input(ctx.token_ids[-1])  # shape: [B, H]
+        positions = torch.arange(length, length + size, device=device)
+        context_kv = [(c.keys[begin:length], c.values[begin:length]) for c in self.caches]
+        allowed = torch.ones(size, length - begin + size, dtype=torch.bool, device=device)
+        h = model.run_block(x, positions, context_kv, allowed)
+        drafts = model.logits(h[1: count + 1]).argmax(dim=-1)  # shape: [count]
+        return Proposal(model.vocab[drafts])

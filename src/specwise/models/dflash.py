@@ -1,0 +1,240 @@
+"""The DFlash block-diffusion drafter (Chen, Liang, Liu 2026, arXiv 2602.06036; ALGORITHMS.md §7).
+
+A few small transformer layers draft a whole block in one non-causal forward:
+
+* **Block input**: ``[anchor, MASK, ..., MASK]`` (``block_size`` entries) at positions
+  ``P .. P+B-1``, where the anchor is the last committed token (the root, at position P). The anchor
+  is embedded with the target's own embeddings (borrowed); MASK is one learned vector (so no
+  vocabulary row has to be reserved for it).
+* **Context**: the target's hidden states at ``feature_layers`` (HF ``hidden_states`` indexing), each
+  RMS-normalized, concatenated, projected by ``fc`` and normed: one context vector per committed
+  position before P.
+* **KV injection**: every layer projects the context vectors with its own key/value projections and
+  attends from the block to ``[context keys (at most window); all block keys]``, bidirectionally
+  inside the block. The context keys of committed positions are computed once and cached.
+* **Output**: block entry k (k >= 1) predicts the token **at** position P+k (the same-position
+  prediction of the paper), through ``final_norm`` and the target's LM-head rows of a reduced draft
+  vocabulary (FR-Spec, ALGORITHMS.md §9), borrowed.
+
+Stored: ``fc``, the norms, the mask vector and the layers (~11 M parameters for Gemma-3-270M with 2
+layers); the target's embeddings and LM-head rows are borrowed at load time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specwise.errors import ConfigError, DrafterError
+from specwise.models.draft_lm import Borrowed
+from specwise.models.eagle import rotary
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """Architecture of a DFlash drafter."""
+
+    feature_layers: tuple[int, ...] = (2, 9, 15)  # target hidden_states indices fused into the context
+    draft_vocab_size: int = 16384  # rows of the output layer (a subset of the target's vocabulary)
+    block_size: int = 8  # B: the anchor plus B-1 draft tokens per block
+    num_layers: int = 2  # draft transformer layers
+    num_heads: int = 8  # attention heads (as many key/value heads)
+    head_dim: int = 64
+    intermediate_size: int = 2048  # gated-MLP width
+    rope_theta: float = 10000.0
+    window: int = 1024  # context keys a block attends to at most
+
+    def __post_init__(self) -> None:
+        if not self.feature_layers:
+            raise ConfigError("a DFlash drafter needs at least one feature layer.")
+        for name in ("draft_vocab_size", "num_layers", "num_heads", "head_dim", "intermediate_size", "window"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.block_size < 2:
+            raise ConfigError(f"block_size must be >= 2 (the anchor and at least one draft), got {self.block_size}.")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even (rotary), got {self.head_dim}.")
+
+
+class DFlashLayer(nn.Module):
+    """One pre-norm layer whose keys and values also come from the injected context."""
+
+    def __init__(self, hidden: int, config: DFlashConfig, eps: float) -> None:
+        super().__init__()
+        width = config.num_heads * config.head_dim
+        self.config = config
+        self.input_norm = nn.RMSNorm(hidden, eps=eps)
+        self.q_proj = nn.Linear(hidden, width, bias=False)
+        self.k_proj = nn.Linear(hidden, width, bias=False)
+        self.v_proj = nn.Linear(hidden, width, bias=False)
+        self.q_norm = nn.RMSNorm(config.head_dim, eps=eps)
+        self.k_norm = nn.RMSNorm(config.head_dim, eps=eps)
+        self.o_proj = nn.Linear(width, hidden, bias=False)
+        self.mlp_norm = nn.RMSNorm(hidden, eps=eps)
+        self.gate_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(*x.shape[:-1], self.config.num_heads, self.config.head_dim)
+
+    def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[..., n, heads, d]`` of (already normed) inputs ``[..., n, H]`` at ``positions``
+        ``[..., n]``: the context's, or the block's."""
+        k = rotary(self.k_norm(self._heads(self.k_proj(x))), positions, self.config.rope_theta)
+        return k, self._heads(self.v_proj(x))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor,
+                allowed: torch.Tensor) -> torch.Tensor:
+        """One layer over the block.
+
+        Args:
+            x: ``[..., n, H]`` block states.
+            positions: ``[..., n]`` their rotary positions.
+            context_k, context_v: ``[..., m, heads, d]`` the context keys and values.
+            allowed: ``[..., n, m + n]`` bool, which context and block keys each block entry sees.
+
+        Returns:
+            ``[..., n, H]``.
+        """
+        h = self.input_norm(x)
+        q = rotary(self.q_norm(self._heads(self.q_proj(h))), positions, self.config.rope_theta)
+        k, v = self.keys_values(h, positions)
+        keys = torch.cat([context_k, k], dim=-3).transpose(-3, -2)  # shape: [..., heads, m+n, d]
+        values = torch.cat([context_v, v], dim=-3).transpose(-3, -2)
+        attended = F.scaled_dot_product_attention(q.transpose(-3, -2), keys, values,
+                                                  attn_mask=allowed.unsqueeze(-3))  # shape: [..., heads, n, d]
+        x = x + self.o_proj(attended.transpose(-3, -2).flatten(-2))
+        y = self.mlp_norm(x)
+        return x + self.down_proj(F.gelu(self.gate_proj(y), approximate="tanh") * self.up_proj(y))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash drafter network (see the module docstring).
+
+    Args:
+        target: the :class:`specwise.target.Target` whose features, embeddings and LM head are used.
+        config: :class:`DFlashConfig`.
+        vocab: ``[Vd]`` int64 target token ids of the draft vocabulary.
+        initialize: random init with zero residual outputs (training start); ``False`` when loading.
+
+    Raises:
+        DrafterError: the vocabulary table does not match the config or the target.
+        ConfigError: a feature layer outside the target's hidden states.
+    """
+
+    def __init__(self, target, config: DFlashConfig, vocab: torch.Tensor, initialize: bool = True) -> None:
+        super().__init__()
+        text_config = target.model.config.get_text_config()
+        hidden = int(text_config.hidden_size)
+        num_layers = int(text_config.num_hidden_layers)
+        bad = [i for i in config.feature_layers if not 0 <= i <= num_layers]
+        if bad:
+            raise ConfigError(f"feature layer {bad[0]} is outside the target's hidden states 0..{num_layers}.")
+        if vocab.numel() != config.draft_vocab_size:
+            raise DrafterError(f"draft vocabulary has {vocab.numel()} ids but the config says {config.draft_vocab_size}.")
+        if int(vocab.max()) >= target.vocab_size or int(vocab.min()) < 0:
+            raise DrafterError(f"draft vocabulary ids fall outside the target's {target.vocab_size} tokens.")
+        self.config = config
+        eps = float(getattr(text_config, "rms_norm_eps", 1e-6))
+        # per-tap norms first: Gemma-3's residual stream has single dimensions near 1e5
+        self.tap_norms = nn.ModuleList(nn.RMSNorm(hidden, eps=eps) for _ in config.feature_layers)
+        self.fc = nn.Linear(len(config.feature_layers) * hidden, hidden, bias=False)
+        self.context_norm = nn.RMSNorm(hidden, eps=eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+        self.layers = nn.ModuleList(DFlashLayer(hidden, config, eps) for _ in range(config.num_layers))
+        self.final_norm = nn.RMSNorm(hidden, eps=eps)
+        self.register_buffer("vocab", vocab.clone().long(), persistent=False)  # shape: [Vd]
+        self._borrowed = Borrowed.from_target(target, vocab)
+        if initialize:
+            self._initialize()
+
+    @torch.no_grad()
+    def _initialize(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=1.0 / math.sqrt(module.in_features))
+        for layer in self.layers:
+            nn.init.zeros_(layer.o_proj.weight)
+            nn.init.zeros_(layer.down_proj.weight)
+        nn.init.normal_(self.mask_embedding, std=1.0)
+
+    # ------------------------------------------------------------------ pieces
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """``[..., F*H]`` concatenated target features -> ``[..., H]`` context vectors."""
+        taps = features.to(self.dtype).chunk(len(self.tap_norms), dim=-1)
+        return self.context_norm(self.fc(torch.cat([norm(tap) for norm, tap in zip(self.tap_norms, taps)], dim=-1)))
+
+    def block_input(self, anchors: torch.Tensor) -> torch.Tensor:
+        """``[...]`` anchor token ids -> ``[..., B, H]`` block inputs: the anchor's (borrowed) embedding,
+        then ``B - 1`` mask vectors."""
+        first = self._borrowed.embed(anchors).to(self.dtype)[..., None, :]
+        rest = self.mask_embedding.to(self.dtype).expand(*anchors.shape, self.config.block_size - 1, -1)
+        return torch.cat([first, rest], dim=-2)
+
+    def context_keys_values(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the keys and values ``[..., m, heads, d]`` of context vectors ``[..., m, H]``."""
+        return [layer.keys_values(context, positions) for layer in self.layers]
+
+    def run_block(self, x: torch.Tensor, positions: torch.Tensor, context_kv, allowed: torch.Tensor) -> torch.Tensor:
+        """Block states ``[..., n, H]`` through every layer (``context_kv`` per layer, ``allowed``
+        ``[..., n, m + n]``); returns the final states ``[..., n, H]``."""
+        for layer, (k, v) in zip(self.layers, context_kv):
+            x = layer(x, positions, k, v, allowed)
+        return x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` final states -> ``[..., Vd]`` draft-vocabulary logits."""
+        normed = self.final_norm(h)
+        return normed @ self._borrowed.head.to(normed.dtype).T
+
+    # ------------------------------------------------------------------ training
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Training forward: many blocks per sequence in one pass (ALGORITHMS.md §7.3).
+
+        Block b anchored at index ``a_b`` sees the context at indices ``a_b - window <= s < a_b`` and
+        its own entries (bidirectionally), nothing of the other blocks: exactly what the block sees
+        when drafting after the target committed ``tokens[:a_b + 1]``.
+
+        Args:
+            features: ``[Bt, S, F*H]`` concatenated target features of each sequence.
+            tokens: ``[Bt, S]`` long token ids.
+            anchors: ``[Bt, N]`` long anchor indices (>= 1; padding blocks may use any valid index).
+
+        Returns:
+            ``[Bt, N, B-1, Vd]`` logits; ``[:, b, k-1]`` predicts the token at index ``a_b + k``.
+        """
+        batch, length, _ = features.shape
+        blocks = anchors.shape[1]
+        size = self.config.block_size
+        device = features.device
+        context = self.fuse(features)  # shape: [Bt, S, H]
+        context_kv = self.context_keys_values(context, torch.arange(length, device=device).expand(batch, length))
+        x = self.block_input(tokens.gather(1, anchors)).flatten(1, 2)  # shape: [Bt, N*B, H]
+        offsets = torch.arange(size, device=device)
+        positions = (anchors[:, :, None] + offsets).flatten(1)  # shape: [Bt, N*B]
+        s = torch.arange(length, device=device)
+        anchor_of = anchors[:, :, None].expand(batch, blocks, size).flatten(1)  # shape: [Bt, N*B]
+        sees_context = (s[None, None, :] < anchor_of[..., None]) & \
+                       (s[None, None, :] >= anchor_of[..., None] - self.config.window)  # shape: [Bt, N*B, S]
+        block_id = torch.arange(blocks, device=device).repeat_interleave(size)
+        same_block = (block_id[:, None] == block_id[None, :]).expand(batch, -1, -1)  # shape: [Bt, N*B, N*B]
+        allowed = torch.cat([sees_context, same_block], dim=-1)
+        h = self.run_block(x, positions, context_kv, allowed)
+        return self.logits(h.view(batch, blocks, size, -1)[:, :, 1:])
+
+    # ------------------------------------------------------------------ bookkeeping
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights a checkpoint stores (everything but the borrowed embeddings and head rows)."""
+        return dict(self.state_dict())
+
+    def architecture(self) -> dict:
+        return {**asdict(self.config), "feature_layers": list(self.config.feature_layers)}

@@ -1,0 +1,139 @@
+"""Recipe: train a DFlash drafter (:class:`specwise.models.dflash.DFlashDrafter`) on the frozen target
+(ALGORITHMS.md §7.3).
+
+Data: a self-distillation corpus whose features hold the target's top-k log-probabilities over the
+draft vocabulary and the hidden states of the drafter's feature layers. Each training window gets
+``ceil(length / block_size)`` random anchors, drawn again every epoch; all its blocks run in one
+forward, each seeing the context before its anchor and its own entries (bidirectionally). Loss:
+block entry k against the target's renormalized top-k distribution of the token at ``anchor + k``
+(soft cross-entropy), weighted ``exp(-(k - 1) / decay_gamma)``: an early miss truncates every later
+draft, so early entries matter more.
+
+Validation replays greedy decoding on held-out target-written text: a block's drafts depend only on
+the context and the anchor, so drafting at every root at once and replaying the chain gives the
+exact acceptance by block position and τ.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specwise.errors import ConfigError
+from specwise.training.acceptance import ChainAcceptance, replay_depths
+from specwise.training.draft_recipe import DraftLMRecipe, DraftRecipeConfig
+
+
+@dataclass(frozen=True)
+class DFlashRecipeConfig(DraftRecipeConfig):
+    """Data and loss settings of the DFlash recipe."""
+
+    batch_tokens: int = 2048  # padded sequence positions per micro-batch
+    max_length: int = 1024  # longest training window
+    block_size: int = 8  # B (must match the drafter's)
+    decay_gamma: float = 4.0  # loss weight of block entry k is exp(-(k-1)/gamma) (ModelOpt's default for B = 8)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2 or self.decay_gamma <= 0:
+            raise ConfigError("block_size must be >= 2 and decay_gamma > 0.")
+
+
+class DFlashRecipe(DraftLMRecipe):
+    """Block-diffusion training of a DFlash drafter.
+
+    Args:
+        corpus_dir: corpus with features including ``hidden_layers``.
+        vocab: ``[Vd]`` int64 draft vocabulary of the features.
+        hidden_layers: the drafter's feature layers (the order is the concatenation order).
+        config: :class:`DFlashRecipeConfig`.
+        features_dir: where the features are (default: the corpus directory).
+
+    Raises:
+        ConfigError: no features, missing hidden states, or no training sequences.
+    """
+
+    def __init__(self, corpus_dir, vocab: torch.Tensor, hidden_layers: tuple[int, ...],
+                 config: DFlashRecipeConfig = DFlashRecipeConfig(), features_dir=None) -> None:
+        super().__init__(corpus_dir, vocab, config, hidden_layers, features_dir)
+        self.config: DFlashRecipeConfig = config
+        self.windows = [w for w in self.windows if w[2] >= 3]  # an anchor needs context before it and a label after
+
+    def batches(self, epoch: int, seed: int) -> list:
+        rng = random.Random(seed * 7919 + epoch)
+        out = []
+        for group in super().batches(epoch, seed):
+            blocks = []
+            for _, _, length in group:
+                valid = list(range(1, length - 1))  # context before the anchor, a label after it
+                count = min(len(valid), math.ceil(length / self.config.block_size))
+                blocks.append(sorted(rng.sample(valid, count)))
+            out.append((group, blocks))
+        return out
+
+    def loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, int]:
+        group, blocks = batch
+        device = next(model.parameters()).device
+        size = self.config.block_size
+        width = max(length for _, _, length in group)
+        count = max(len(b) for b in blocks)
+        first = self.train_examples[group[0][0]]
+        k, fh = first.top_index.shape[1], first.hidden.shape[1]
+        feats = torch.zeros((len(group), width, fh), dtype=first.hidden.dtype)
+        tokens = torch.zeros((len(group), width), dtype=torch.long)
+        anchors = torch.ones((len(group), count), dtype=torch.long)
+        top_index = torch.zeros((len(group), count, size - 1, k), dtype=torch.long)
+        top_probs = torch.zeros((len(group), count, size - 1, k))
+        mask = torch.zeros((len(group), count, size - 1))
+        for row, ((i, start, length), chosen) in enumerate(zip(group, blocks)):
+            ex = self.train_examples[i]
+            feats[row, :length] = ex.hidden[start: start + length]
+            tokens[row, :length] = ex.tokens[start: start + length]
+            for b, anchor in enumerate(chosen):
+                anchors[row, b] = anchor
+                # entry j (0-based, the (j+1)-th draft) predicts index anchor+j+1: the target's top-k at anchor+j
+                last = min(size - 1, length - 1 - anchor)
+                top_index[row, b, :last] = ex.top_index[start + anchor: start + anchor + last]
+                top_probs[row, b, :last] = ex.top_probs[start + anchor: start + anchor + last]
+                mask[row, b, :last] = 1
+        logits = model(feats.to(device), tokens.to(device), anchors.to(device))  # shape: [Bt, N, B-1, Vd]
+        log_q = torch.log_softmax(logits.float(), dim=-1)
+        picked = log_q.gather(-1, top_index.to(device))  # shape: [Bt, N, B-1, k]
+        per_entry = -(top_probs.to(device) * picked).sum(-1)  # shape: [Bt, N, B-1]
+        weights = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / self.config.decay_gamma).to(device)
+        weighted = mask.to(device) * weights
+        return (per_entry * weighted).sum() / weighted.sum().clamp_min(1e-9), int(mask[:, :, 0].sum())
+
+    @torch.no_grad()
+    def validate(self, model: nn.Module) -> dict:
+        """Replayed greedy decoding on held-out target-written text (acceptance by block position, τ),
+        and the first draft's agreement with the target's top-1."""
+        if not self.validation_examples:
+            return {}
+        drafts_per_block = self.config.block_size - 1
+        stats = ChainAcceptance(drafts_per_block)
+        agree_total, positions = 0, 0
+        device = next(model.parameters()).device
+        for ex in self.validation_examples:
+            length = min(ex.tokens.numel(), self.config.max_length)
+            p = ex.prompt_length
+            if p < 1 or length - p < 2:
+                continue
+            anchors = torch.arange(p, length)  # every generated token as a root
+            features, tokens = ex.hidden[None, :length].to(device), ex.tokens[None, :length].to(device)
+            drafts = torch.cat([self.vocab[model(features, tokens, chunk[None].to(device))[0].argmax(-1).cpu()]
+                                for chunk in anchors.split(64)])  # shape: [R, B-1]
+            roots = anchors.numel()
+            matches = torch.zeros(roots, drafts_per_block, dtype=torch.bool)
+            for j in range(drafts_per_block):
+                later = anchors + j + 1
+                ok = later < length
+                matches[ok, j] = drafts[ok, j] == ex.tokens[later[ok]]
+            first_ok = anchors + 1 < length
+            agree_total += int((drafts[first_ok, 0] == self.vocab[ex.top_index[anchors[first_ok], 0]]).sum())
+            positions += int(first_ok.sum())
+            replay_depths(matches, stats)
+        return {"top1_agreement": round(agree_total / max(positions, 1), 4), **stats.as_dict()}
