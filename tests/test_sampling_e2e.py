@@ -91,7 +91,23 @@ def _medusa(target, acceptance: str = "exact"):
     return MedusaDrafter(target, config, heads=heads.eval().requires_grad_(False), tree=tree)
 
 
+def _dflash(target):
+    """A DFlash drafter over a reduced vocabulary (6 of 8 tokens), blocks of 3 (2 drafts)."""
+    from specwise.drafters.dflash import DFlashBlockDrafter, DFlashDrafterConfig
+    from specwise.models.dflash import DFlashConfig, DFlashDrafter
+
+    torch.manual_seed(7)
+    config = DFlashConfig(feature_layers=(0, 2), draft_vocab_size=6, block_size=3, num_layers=1, num_heads=2,
+                          head_dim=8, intermediate_size=16)
+    model = DFlashDrafter(target, config, torch.tensor([4, 3, 5, 6, 0, 2])).double()
+    with torch.no_grad():
+        model.layers[0].o_proj.weight.normal_(std=0.3)
+    return DFlashBlockDrafter(target, DFlashDrafterConfig(), model=model.eval().requires_grad_(False))
+
+
 CONFIGS = {
+    "dflash-block-t0.9": (_dflash, 3, dict(temperature=0.9)),
+    "dflash-block-topk-topp-penalty": (_dflash, 3, dict(temperature=1.0, top_k=5, top_p=0.9, repetition_penalty=1.3)),
     "medusa-tree-t0.9": (_medusa, 3, dict(temperature=0.9)),
     "medusa-tree-topk-topp-penalty": (_medusa, 3, dict(temperature=1.0, top_k=5, top_p=0.9, repetition_penalty=1.3)),
     "eagle-tree-t0.9": (_eagle, 3, dict(temperature=0.9)),

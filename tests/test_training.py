@@ -423,7 +423,7 @@ def test_cli_builds_trains_and_generates_end_to_end(tmp_path):
                 "--steps", "3", "--draft-vocab-size", "64", "--batch-tokens", "64", "--top-k", "4", "--ttt-steps", "2")
     assert eagle.returncode == 0, eagle.stderr
     assert json.loads((tmp_path / "eagle" / "config.json").read_text())["architecture"]["feature_layers"] == [0, 1, 2]
-    assert (tmp_path / "corpus" / "features-eagle-0-1-2").is_dir()  # beside the draft recipe's features
+    assert (tmp_path / "corpus" / "features-taps-0-1-2").is_dir()  # beside the draft recipe's features
     generated = run("generate", *common, "--method", "eagle", "--drafter", str(tmp_path / "eagle"), "--json",
                     "--max-new-tokens", "6", "t5 t9 t11")
     assert generated.returncode == 0, generated.stderr
@@ -433,8 +433,18 @@ def test_cli_builds_trains_and_generates_end_to_end(tmp_path):
     assert medusa.returncode == 0, medusa.stderr
     architecture = json.loads((tmp_path / "medusa" / "config.json").read_text())["architecture"]
     assert architecture["num_heads"] == 2 and architecture["tree"]["default_nodes"] >= 1
-    assert (tmp_path / "corpus" / "features-medusa-2").is_dir()
+    assert (tmp_path / "corpus" / "features-taps-2").is_dir()
     generated = run("generate", *common, "--method", "medusa", "--drafter", str(tmp_path / "medusa"), "--json",
+                    "--max-new-tokens", "6", "t5 t9 t11")
+    assert generated.returncode == 0, generated.stderr
+    assert json.loads(generated.stdout)["token_ids"] == reference_greedy(target.model.float(), ids.cpu(), 6)
+    dflash = run("train", "dflash", *common, "--data", str(tmp_path / "corpus"), "--out", str(tmp_path / "dflash"),
+                 "--steps", "3", "--draft-vocab-size", "64", "--batch-tokens", "64", "--top-k", "4", "--block-size", "4",
+                 "--dflash-layers", "1")
+    assert dflash.returncode == 0, dflash.stderr
+    architecture = json.loads((tmp_path / "dflash" / "config.json").read_text())["architecture"]
+    assert architecture["block_size"] == 4 and architecture["feature_layers"] == [0, 1, 2]  # eagle's features reused
+    generated = run("generate", *common, "--method", "dflash", "--drafter", str(tmp_path / "dflash"), "--json",
                     "--max-new-tokens", "6", "t5 t9 t11")
     assert generated.returncode == 0, generated.stderr
     assert json.loads(generated.stdout)["token_ids"] == reference_greedy(target.model.float(), ids.cpu(), 6)

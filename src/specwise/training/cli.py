@@ -61,7 +61,7 @@ def cmd_data_build(args: argparse.Namespace) -> int:
 
 
 def add_train_args(p: argparse.ArgumentParser, default_target: str) -> None:
-    p.add_argument("method", help="drafter to train: draft, eagle or medusa")
+    p.add_argument("method", help="drafter to train: draft, eagle, medusa or dflash")
     p.add_argument("--target", default=default_target)
     p.add_argument("--data", nargs="+", required=True,
                    help="a corpus directory (from `specwise data build`), or prompt JSONL files to build one from")
@@ -78,11 +78,13 @@ def add_train_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--borrowed-layers", type=int, default=None,
                    help="draft: run the target's first N layers first (frozen, not stored)")
     p.add_argument("--feature-layers", default=None,
-                   help="eagle: target hidden_states indices to fuse, e.g. 2,9,15 (default: low, middle, high)")
+                   help="eagle, dflash: target hidden_states indices to fuse, e.g. 2,9,15 (default: low, middle, high)")
     p.add_argument("--ttt-steps", type=int, default=None, help="eagle: draft steps unrolled in training (default 3)")
-    p.add_argument("--max-length", type=int, default=None, help="eagle: longest training window (default 1024)")
+    p.add_argument("--max-length", type=int, default=None, help="eagle, dflash: longest training window (default 1024)")
     p.add_argument("--num-heads", type=int, default=None, help="medusa: heads trained (default 4)")
     p.add_argument("--medusa-layers", type=int, default=None, help="medusa: residual blocks per head (default 1)")
+    p.add_argument("--block-size", type=int, default=None, help="dflash: tokens per block, anchor included (default 8)")
+    p.add_argument("--dflash-layers", type=int, default=None, help="dflash: draft transformer layers (default 2)")
     p.add_argument("--top-k", type=int, default=8, help="target log-probs kept per position")
     p.add_argument("--validate-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)

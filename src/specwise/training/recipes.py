@@ -57,6 +57,13 @@ def choose_vocabulary(target, corpus: Path, size: int, say: Callable[[str], None
     return vocab
 
 
+def taps_features_dir(corpus: Path, layers: tuple[int, ...]) -> Path:
+    """Where features with the target's hidden states at ``layers`` go: ``<corpus>/features-taps-<layers>/``.
+    Recipes reading the same layers (EAGLE and DFlash by default) share them; other layers never
+    clash with them or with the plain features beside the shards."""
+    return corpus / ("features-taps-" + "-".join(str(i) for i in layers))
+
+
 def train_draft(target, corpus: Path, out: Path, args: argparse.Namespace, say: Callable[[str], None]) -> Path:
     """Distil a draft LM (:mod:`specwise.training.draft_recipe`) and write its checkpoint to ``out``."""
     from specwise.models.draft_lm import DraftLM, DraftLMConfig
@@ -94,7 +101,7 @@ def train_eagle(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
     """Train an EAGLE-3 head (:mod:`specwise.training.eagle_recipe`) and write its checkpoint to ``out``.
 
     The features (target top-k and the hidden states of the head's feature layers) go to
-    ``<corpus>/features-eagle-<layers>/`` so they never clash with another recipe's features.
+    :func:`taps_features_dir`.
     """
     from specwise.models.eagle import EagleConfig, EagleHead, default_feature_layers
     from specwise.training.eagle_recipe import EagleRecipe, EagleRecipeConfig
@@ -105,7 +112,7 @@ def train_eagle(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
     num_layers = int(target.model.config.get_text_config().num_hidden_layers)
     layers = tuple(int(x) for x in args.feature_layers.split(",")) if getattr(args, "feature_layers", None) \
         else default_feature_layers(num_layers)
-    features_dir = corpus / ("features-eagle-" + "-".join(str(i) for i in layers))
+    features_dir = taps_features_dir(corpus, layers)
     started = time.perf_counter()
     with main_process_first() as is_main:
         if is_main:
@@ -137,7 +144,7 @@ def train_medusa(target, corpus: Path, out: Path, args: argparse.Namespace, say:
     """Train Medusa heads (:mod:`specwise.training.medusa_recipe`), calibrate their static tree on
     held-out text and this machine's measured verification cost, and write the checkpoint to ``out``.
 
-    The features (target top-k and its final hidden state) go to ``<corpus>/features-medusa-<layer>/``.
+    The features (target top-k and its final hidden state) go to :func:`taps_features_dir`.
     """
     from specwise.models.medusa import MedusaConfig, MedusaHeads, final_hidden_layer
     from specwise.training.features import FeatureConfig, extract_features
@@ -146,7 +153,7 @@ def train_medusa(target, corpus: Path, out: Path, args: argparse.Namespace, say:
     pick = lambda name: getattr(args, name, None) if getattr(args, name, None) is not None else MEDUSA_DEFAULTS[name]  # noqa: E731
     size = int(pick("draft_vocab_size"))
     layer = final_hidden_layer(target)
-    features_dir = corpus / f"features-medusa-{layer}"
+    features_dir = taps_features_dir(corpus, (layer,))
     started = time.perf_counter()
     with main_process_first() as is_main:
         if is_main:
@@ -248,6 +255,49 @@ def choose_tree_nodes(probabilities: list[float], verify_seconds: dict[int, floa
     return best[1], best[2]
 
 
+DFLASH_DEFAULTS = {"lr": 6e-4, "batch_tokens": 2048, "draft_vocab_size": 16384, "minutes": 45.0, "block_size": 8,
+                   "dflash_layers": 2, "max_length": 1024}
+
+
+def train_dflash(target, corpus: Path, out: Path, args: argparse.Namespace, say: Callable[[str], None]) -> Path:
+    """Train a DFlash drafter (:mod:`specwise.training.dflash_recipe`) and write its checkpoint to ``out``.
+
+    The features (target top-k and the hidden states of the feature layers, by default the same
+    low / middle / high layers as EAGLE's) go to :func:`taps_features_dir`, shared with EAGLE.
+    """
+    from specwise.models.dflash import DFlashConfig, DFlashDrafter
+    from specwise.models.eagle import default_feature_layers
+    from specwise.training.dflash_recipe import DFlashRecipe, DFlashRecipeConfig
+    from specwise.training.features import FeatureConfig, extract_features
+
+    pick = lambda name: getattr(args, name, None) if getattr(args, name, None) is not None else DFLASH_DEFAULTS[name]  # noqa: E731
+    size = int(pick("draft_vocab_size"))
+    num_layers = int(target.model.config.get_text_config().num_hidden_layers)
+    layers = tuple(int(x) for x in args.feature_layers.split(",")) if getattr(args, "feature_layers", None) \
+        else default_feature_layers(num_layers)
+    features_dir = taps_features_dir(corpus, layers)
+    started = time.perf_counter()
+    with main_process_first() as is_main:
+        if is_main:
+            vocab = choose_vocabulary(target, corpus, size, say, features_dir)
+            extract_features(target, corpus, vocab, FeatureConfig(top_k=args.top_k, hidden_layers=layers),
+                             progress=say, features_dir=features_dir)
+    vocab = load_file(str(features_dir / "draft_vocab.safetensors"))["vocab"]
+    feature_minutes = (time.perf_counter() - started) / 60
+    block_size, max_length = int(pick("block_size")), int(pick("max_length"))
+    recipe_config = DFlashRecipeConfig(batch_tokens=int(pick("batch_tokens")), max_length=max_length,
+                                       block_size=block_size)
+    recipe = DFlashRecipe(corpus, vocab, layers, recipe_config, features_dir)
+    say(f"training on {recipe.train_tokens} tokens ({len(recipe.train_examples)} sequences), "
+        f"{len(recipe.validation_examples)} validation sequences, feature layers {list(layers)}, block {block_size}")
+    model = DFlashDrafter(target, DFlashConfig(feature_layers=layers, draft_vocab_size=size, block_size=block_size,
+                                               num_layers=int(pick("dflash_layers")), window=max_length), vocab)
+    _train_and_save("dflash", "DFlash block diffusion (random anchors, bidirectional blocks, soft cross-entropy on "
+                    "target top-k, entry k weighted exp(-(k-1)/4), draft vocabulary)", model, recipe, recipe_config,
+                    vocab, target, corpus, out, args, float(pick("lr")), float(pick("minutes")), feature_minutes, say)
+    return out
+
+
 def _train_and_save(method: str, description: str, model, recipe, recipe_config, vocab: torch.Tensor, target,
                     corpus: Path, out: Path, args: argparse.Namespace, lr: float, minutes: float,
                     feature_minutes: float, say: Callable[[str], None],
@@ -280,4 +330,5 @@ def _train_and_save(method: str, description: str, model, recipe, recipe_config,
     say(f"validation: {result.validation}")
 
 
-RECIPES: dict[str, Callable] = {"draft": train_draft, "eagle": train_eagle, "medusa": train_medusa}
+RECIPES: dict[str, Callable] = {"draft": train_draft, "eagle": train_eagle, "medusa": train_medusa,
+                                "dflash": train_dflash}
