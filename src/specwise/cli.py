@@ -19,8 +19,8 @@ DEFAULT_TARGET = "gemma-3-270m"
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--target", default=DEFAULT_TARGET, help="alias (gemma-3-270m), HF model directory or .gguf file")
-    p.add_argument("--method", default="ar", help="drafting method: ar, pld, lookahead, draft, eagle (default ar)")
-    p.add_argument("--drafter", default=None, help="trained drafter directory or draft model path (draft, eagle; default: the shipped one)")
+    p.add_argument("--method", default="ar", help="drafting method: ar, pld, lookahead, draft, eagle, medusa, dflash (default ar)")
+    p.add_argument("--drafter", default=None, help="trained drafter directory or draft model path (draft, eagle, medusa, dflash; default: the shipped one)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="draft tokens verified per step (K)")
     p.add_argument("--max-ngram-size", type=int, default=None, help="pld: longest n-gram to match")
     p.add_argument("--min-ngram-size", type=int, default=None, help="pld: shortest n-gram to match")

@@ -16,7 +16,7 @@ DEMO_CATEGORIES = ("code", "summarization", "rag")
 
 def run_demo(target_name: str, max_new_tokens: int, device, progress) -> int:
     """Generate with ``ar``, ``pld``, ``lookahead`` and the trained drafters that ship for the target
-    (``draft``, ``eagle``), interleaved after a warm-up; print text and stats."""
+    (``draft``, ``eagle``, ``medusa``, ``dflash``), interleaved after a warm-up; print text and stats."""
     import specwise
 
     console = Console()
@@ -24,7 +24,7 @@ def run_demo(target_name: str, max_new_tokens: int, device, progress) -> int:
     records = [r for r in load_prompts([builtin_prompt_file()]) if r.category in DEMO_CATEGORIES]
     from specwise.drafters.draft_model import shipped_drafter
 
-    trained = tuple(m for m in ("draft", "eagle") if shipped_drafter(target, m))
+    trained = tuple(m for m in ("draft", "eagle", "medusa", "dflash") if shipped_drafter(target, m))
     methods = ("ar", "pld", "lookahead") + trained
     drafters = {m: specwise.build_drafter(target, m) for m in methods}
     for drafter in drafters.values():  # warm-up
