@@ -1,5 +1,5 @@
 """The real gemma-3-270m target (float32, CPU): pld, lookahead and the shipped drafters (draft LM,
-EAGLE head) decode exactly the greedy tokens.
+EAGLE head, Medusa heads, DFlash drafter) decode exactly the greedy tokens.
 
 Marked ``slow``: the first load converts the packaged GGUF file once (about a minute), later loads
 take seconds. Deselect with ``-m "not slow"``.
@@ -33,7 +33,7 @@ def greedy_reference(target):
     return {name: specwise.generate(target, prompt, method="ar", max_new_tokens=NEW) for name, prompt in PROMPTS.items()}
 
 
-@pytest.mark.parametrize("method", ["pld", "lookahead", "draft", "eagle"])  # draft, eagle: the shipped drafters
+@pytest.mark.parametrize("method", ["pld", "lookahead", "draft", "eagle", "medusa", "dflash"])  # the last 4: shipped drafters
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_speculative_methods_match_autoregressive(target, greedy_reference, prompt_name, method):
     ar = greedy_reference[prompt_name]
@@ -57,3 +57,7 @@ def test_tree_verification_past_the_sliding_window(target, greedy_reference):
     assert draft.token_ids == ar.token_ids
     eagle = specwise.generate(target, prompt, method="eagle", max_new_tokens=24)  # dynamic trees, windowed mask
     assert eagle.token_ids == ar.token_ids
+    medusa = specwise.generate(target, prompt, method="medusa", max_new_tokens=24)  # a static tree
+    assert medusa.token_ids == ar.token_ids
+    dflash = specwise.generate(target, prompt, method="dflash", max_new_tokens=24)  # blocks over a long context
+    assert dflash.token_ids == ar.token_ids

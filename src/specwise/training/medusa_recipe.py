@@ -8,8 +8,11 @@ top-k distribution at position t+k (the target's prediction of token t+k+1 given
 cross-entropy weighted ``head_decay ** (k - 1)`` (the paper's 0.8^k up to a constant).
 
 Validation, on held-out target-written text: each head's teacher-forced top-1 / top-``rank_limit``
-agreement with the target's greedy token, the greedy replay of a top-1 chain (acceptance by depth,
-τ), and the rank statistics that calibrate the static tree (:meth:`MedusaRecipe.calibration_ranks`).
+agreement with the target's greedy token and the greedy replay of a top-1 chain (acceptance by
+depth, τ). The static tree is calibrated on greedy text too (:meth:`MedusaRecipe.calibration_ranks`):
+the held-out sequences are few (one in ``validation_every``, and a quarter of those greedy), so
+greedy *training* sequences join them ("held-in" data, as Medusa calibrates); heads of a few hundred
+thousand parameters barely overfit a corpus of this size.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class MedusaRecipeConfig:
     head_decay: float = 0.8  # loss weight of head k is head_decay ** (k - 1)
     validation_every: int = 40  # one sequence in this many is held out (same split as the other recipes)
     validation_sequences: int = 96  # at most this many greedy held-out sequences are evaluated
+    calibration_sequences: int = 400  # greedy training sequences (held-in) that also calibrate the tree
     rank_limit: int = 10  # ranks per head considered for the tree (Medusa's TOPK)
 
     def __post_init__(self) -> None:
@@ -63,11 +67,14 @@ class MedusaRecipe(Recipe):
         self.vocab = vocab.clone().long()
         hidden, top_index, top_probs, left = [], [], [], []
         self.validation_examples = []
+        self.calibration_examples = []  # greedy training sequences
         for seq in iter_labelled(corpus_dir, vocab, (hidden_layer,), features_dir):
             if is_validation(seq.id, config.validation_every):
                 if seq.mode == "greedy" and len(self.validation_examples) < config.validation_sequences:
                     self.validation_examples.append(seq)
                 continue
+            if seq.mode == "greedy" and len(self.calibration_examples) < config.calibration_sequences:
+                self.calibration_examples.append(seq)
             n = seq.tokens.numel()
             hidden.append(seq.hidden)
             top_index.append(seq.top_index.to(torch.int32))
@@ -112,8 +119,13 @@ class MedusaRecipe(Recipe):
         return total / weight_sum, int(batch.numel())
 
     @torch.no_grad()
-    def calibration_ranks(self, model: nn.Module) -> torch.Tensor:
-        """Ranks of the target's greedy continuation under each head, on held-out greedy text.
+    def calibration_ranks(self, model: nn.Module, examples: list | None = None) -> torch.Tensor:
+        """Ranks of the target's greedy continuation under each head, on greedy text.
+
+        Args:
+            model: the heads.
+            examples: the greedy sequences to read (default: the held-out ones and
+                ``calibration_sequences`` greedy training sequences).
 
         Returns:
             ``[N, K]`` long: row r is a root (a generated token), ``[r, j]`` the rank (< rank_limit)
@@ -124,7 +136,7 @@ class MedusaRecipe(Recipe):
         device = next(model.parameters()).device
         k, limit = self.num_heads, self.config.rank_limit
         rows = []
-        for ex in self.validation_examples:
+        for ex in (self.validation_examples + self.calibration_examples) if examples is None else examples:
             p, n = ex.prompt_length, ex.tokens.numel()
             if p < 1 or n - p < 2:
                 continue
@@ -147,7 +159,7 @@ class MedusaRecipe(Recipe):
     def validate(self, model: nn.Module) -> dict:
         """Per-head top-1 / top-``rank_limit`` accuracy against the target's greedy text, and the greedy
         replay of a top-1 chain (acceptance by depth, τ)."""
-        ranks = self.calibration_ranks(model)
+        ranks = self.calibration_ranks(model, self.validation_examples)
         if ranks.numel() == 0:
             return {}
         valid = torch.stack([self._reachable(ranks.shape[0], j) for j in range(self.num_heads)], dim=1)
