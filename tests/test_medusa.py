@@ -249,9 +249,9 @@ def test_medusa_recipe_learns_calibrates_and_validates(tmp_path):
     losses = [row["loss"] for row in result.curve]
     assert losses[-1] < losses[0]
     validation = result.validation
-    assert len(validation["head_top1"]) == 3 and len(validation["chain_acceptance_by_depth"]) == 3
+    assert len(validation["head_top1"]) == 3 and len(validation["acceptance_by_position"]) == 3
     assert all(a <= b for a, b in zip(validation["head_top1"], validation["head_top4"]))
-    assert validation["chain_tau"] >= 1.0
+    assert validation["mean_accepted_length"] >= 1.0
     ranks = recipe.calibration_ranks(heads)
     assert ranks.shape[1] == 3 and int(ranks.max()) < 4
 

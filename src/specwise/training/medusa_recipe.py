@@ -175,9 +175,8 @@ class MedusaRecipe(Recipe):
                 continue
             replay_depths(ranks[start: start + roots] == 0, stats)  # [r, j]: head j+1's top-1 is token r+j+1
             start += roots
-        return {"head_top1": top1, f"head_top{self.config.rank_limit}": topk,
-                "chain_tau": round(stats.mean_accepted_length, 4),
-                "chain_acceptance_by_depth": [round(a, 4) for a in stats.acceptance_by_position]}
+        # the chain of each head's top-1 token (τ and acceptance by depth, as the other recipes report)
+        return {"head_top1": top1, f"head_top{self.config.rank_limit}": topk, **stats.as_dict()}
 
     def _reachable(self, count: int, j: int) -> torch.Tensor:
         """``[count]`` bool: roots whose token j+1 ahead lies inside its text."""

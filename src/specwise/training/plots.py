@@ -26,6 +26,7 @@ def plot_training_curve(log_path: str | Path, out_png: str | Path, title: str = 
     train = [r for r in rows if "loss" in r]
     checks = [(r["step"], r["validation"]) for r in train if r.get("validation")]
     checks += [(r["step"], r["final_validation"]) for r in rows if r.get("final_validation")]
+    checks = [(step, v) for step, v in checks if "mean_accepted_length" in v]
     fig, loss_ax = plt.subplots(figsize=(7, 4))
     loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train], color="tab:blue", lw=1)
     loss_ax.set_xlabel("optimizer step")
@@ -36,7 +37,8 @@ def plot_training_curve(log_path: str | Path, out_png: str | Path, title: str = 
     if checks:
         tau_ax = loss_ax.twinx()
         tau_ax.plot([s for s, _ in checks], [v["mean_accepted_length"] for _, v in checks], "o-", color="tab:red")
-        tau_ax.set_ylabel("held-out τ (replayed greedy, K=5)", color="tab:red")
+        depth = checks[-1][1].get("num_draft_tokens", "K")
+        tau_ax.set_ylabel(f"held-out τ (replayed greedy chain, K={depth})", color="tab:red")
     fig.tight_layout()
     out = Path(out_png)
     fig.savefig(out, dpi=110)
