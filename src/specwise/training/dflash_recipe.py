@@ -105,7 +105,7 @@ class DFlashRecipe(DraftLMRecipe):
         per_entry = -(top_probs.to(device) * picked).sum(-1)  # shape: [Bt, N, B-1]
         weights = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / self.config.decay_gamma).to(device)
         weighted = mask.to(device) * weights
-        return (per_entry * weighted).sum() / weighted.sum().clamp_min(1e-9), int(mask[:, :, 0].sum())
+        return (per_entry * weighted).sum() / weighted.sum().clamp_min(1e-9), sum(length for _, _, length in group)
 
     @torch.no_grad()
     def validate(self, model: nn.Module) -> dict:
