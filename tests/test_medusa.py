@@ -257,7 +257,7 @@ def test_medusa_recipe_learns_calibrates_and_validates(tmp_path):
 
 
 def test_tree_size_maximizes_expected_tokens_per_second():
-    from specwise.training.recipes import choose_tree_nodes
+    from specwise.training.tree_calibration import choose_tree_nodes
 
     probabilities = [0.6, 0.3, 0.2, 0.1, 0.05, 0.05, 0.01, 0.01]
     assert choose_tree_nodes(probabilities, {1: 1.0, 2: 1.0, 5: 1.0, 9: 2.0}, 0.0) == (4, pytest.approx(2.2))

@@ -136,19 +136,19 @@ def train_eagle(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
 
 MEDUSA_DEFAULTS = {"lr": 1e-3, "batch_tokens": 2048, "draft_vocab_size": 16384, "minutes": 30.0, "num_heads": 4,
                    "medusa_layers": 1}
-#: tree sizes whose verification cost is measured to pick the default static tree
-TREE_SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)
 
 
 def train_medusa(target, corpus: Path, out: Path, args: argparse.Namespace, say: Callable[[str], None]) -> Path:
     """Train Medusa heads (:mod:`specwise.training.medusa_recipe`), calibrate their static tree on
-    held-out text and this machine's measured verification cost, and write the checkpoint to ``out``.
+    greedy text and this machine's measured verification cost (:mod:`specwise.training.tree_calibration`),
+    and write the checkpoint to ``out``.
 
     The features (target top-k and its final hidden state) go to :func:`taps_features_dir`.
     """
     from specwise.models.medusa import MedusaConfig, MedusaHeads, final_hidden_layer
     from specwise.training.features import FeatureConfig, extract_features
     from specwise.training.medusa_recipe import MedusaRecipe, MedusaRecipeConfig
+    from specwise.training.tree_calibration import calibrate_tree
 
     pick = lambda name: getattr(args, name, None) if getattr(args, name, None) is not None else MEDUSA_DEFAULTS[name]  # noqa: E731
     size = int(pick("draft_vocab_size"))
@@ -171,88 +171,11 @@ def train_medusa(target, corpus: Path, out: Path, args: argparse.Namespace, say:
                                              draft_vocab_size=size, hidden_layer=layer), vocab)
     model.set_scale(recipe.scale_sample())
 
-    def calibrate_tree(heads) -> dict:
-        from specwise.models.medusa_tree import rank_paths
-
-        ranked = rank_paths(recipe.calibration_ranks(heads)) or [((0,), 0.0)]  # no hit at all: one top-1 node
-        probabilities = [p for _, p in ranked]
-        heads_cost = measure_heads_time(heads, target)
-        costs = measure_verify_times(target, TREE_SIZES)
-        nodes, expected = choose_tree_nodes(probabilities, costs, heads_cost)
-        nodes = max(nodes, 1)
-        keep = max(TREE_SIZES)
-        say(f"static tree: {nodes} nodes (expected τ {expected:.2f} on the greedy calibration text)")
-        return {"paths": [list(p) for p, _ in ranked[:keep]], "default_nodes": nodes,
-                "probabilities": [round(p, 5) for p in probabilities[:keep]],
-                "calibration": {"verify_seconds": {str(n): round(t, 5) for n, t in costs.items()},
-                                "heads_seconds": round(heads_cost, 5), "expected_tau": round(expected, 4)}}
-
     _train_and_save("medusa", "Medusa-1 heads on the frozen target (soft cross-entropy on target top-k, "
                     "draft vocabulary, head k weighted 0.8^(k-1))", model, recipe, recipe_config, vocab, target, corpus,
                     out, args, float(pick("lr")), float(pick("minutes")), feature_minutes, say,
-                    extra_architecture=lambda heads: {"tree": calibrate_tree(heads)})
+                    extra_architecture=lambda heads: {"tree": calibrate_tree(heads, recipe, target, say)})
     return out
-
-
-def measure_verify_times(target, sizes: tuple[int, ...], context_length: int = 128, repeats: int = 5) -> dict[int, float]:
-    """Median seconds of a tree verification forward of n tokens (root included) after a cached
-    context, for each n in ``sizes`` (:func:`specwise.analysis.calibrate.measure_forward_times`)."""
-    from specwise.analysis.calibrate import measure_forward_times
-
-    length = max(context_length, max(sizes))
-    context = torch.randint(0, target.vocab_size, (length,), generator=torch.Generator().manual_seed(0))
-    times = measure_forward_times(target, context.to(target.device), sizes, repeats, tree=True)
-    return dict(zip(sizes, times))
-
-
-@torch.inference_mode()
-def measure_heads_time(heads, target, repeats: int = 20) -> float:
-    """Median seconds of one drafting call of the heads (all heads on one hidden state, plus top-k)."""
-    import statistics
-
-    from specwise.machine import DeviceClock
-
-    from specwise.models.medusa import MedusaHeads
-
-    clock = DeviceClock(target.device)
-    hidden = torch.randn(heads.scale.numel(), device=target.device, dtype=target.dtype)
-    module = MedusaHeads(target, heads.config, heads.vocab)  # a copy in the target's dtype, as decoding runs it
-    module.load_state_dict(heads.state_dict())
-    module.to(device=target.device, dtype=target.dtype)
-    times = []
-    for i in range(repeats + 1):
-        start = clock.now()
-        module(hidden).topk(10, dim=-1)
-        if i:
-            times.append(clock.now() - start)
-    return statistics.median(times)
-
-
-def choose_tree_nodes(probabilities: list[float], verify_seconds: dict[int, float],
-                      draft_seconds: float) -> tuple[int, float]:
-    """The static tree size with the highest expected speed.
-
-    Args:
-        probabilities: the ranked paths' probabilities of greedy acceptance
-            (:func:`specwise.models.medusa_tree.rank_paths`).
-        verify_seconds: measured seconds of a verification forward per token count (root included).
-        draft_seconds: seconds of one drafting call.
-
-    Returns:
-        ``(nodes, expected τ)``: N maximizing ``(1 + sum of the first N probabilities) /
-        (t(N + 1) + draft)``, over the measured sizes (N + 1 in ``verify_seconds``, N >= 1);
-        ``(0, 1.0)`` when there are no paths.
-    """
-    best = (0.0, 0, 1.0)
-    for size, seconds in sorted(verify_seconds.items()):
-        nodes = min(size - 1, len(probabilities))
-        if nodes < 1:
-            continue
-        tau = 1.0 + sum(probabilities[:nodes])
-        speed = tau / (seconds + draft_seconds)
-        if speed > best[0]:
-            best = (speed, nodes, tau)
-    return best[1], best[2]
 
 
 DFLASH_DEFAULTS = {"lr": 8e-4, "batch_tokens": 2048, "draft_vocab_size": 16384, "minutes": 45.0, "block_size": 8,
