@@ -202,6 +202,12 @@ def test_checkpoint_round_trip(tmp_path):
         torch.testing.assert_close(value, rounded[name], rtol=0, atol=0)
     drafter = load_drafter(path, target)
     assert isinstance(drafter, DFlashBlockDrafter) and drafter.target_hidden_layers == LAYERS
+    assert drafter.num_draft_tokens == 3  # all B-1 drafts unless a tuned default is recorded
+    config = json.loads((path / "config.json").read_text())
+    config["architecture"]["default_draft_tokens"] = 2
+    (path / "config.json").write_text(json.dumps(config))
+    assert load_drafter(path, target).num_draft_tokens == 2
+    assert load_drafter(path, target, num_draft_tokens=3).num_draft_tokens == 3
 
 
 def test_a_drafter_for_another_target_is_refused(tmp_path):

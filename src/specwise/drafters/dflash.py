@@ -41,7 +41,8 @@ class DFlashDrafterConfig(MethodConfig):
     """Options of ``dflash``."""
 
     drafter: str | None = None  # DFlash drafter directory; None = the one shipped for the target
-    num_draft_tokens: int | None = None  # drafts verified per step (<= block_size - 1; None = all of them)
+    # drafts verified per step (<= block_size - 1); None = the drafter's tuned default, else all B-1
+    num_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens is not None and (not isinstance(self.num_draft_tokens, int)
@@ -52,6 +53,9 @@ class DFlashDrafterConfig(MethodConfig):
 def load_dflash(path, target) -> DFlashDrafter:
     """Load a DFlash drafter checkpoint for ``target`` (in the target's dtype and on its device).
 
+    The checkpoint may record a tuned ``default_draft_tokens`` beside the architecture; it is kept
+    as the model's ``default_draft_tokens`` attribute.
+
     Raises:
         DrafterError: not a DFlash checkpoint, trained for another target, or weights that do not fit.
     """
@@ -60,6 +64,7 @@ def load_dflash(path, target) -> DFlashDrafter:
     ckpt = load_checkpoint(path, target, method="dflash")
     arch = dict(ckpt.architecture)
     arch["feature_layers"] = tuple(arch.get("feature_layers", ()))
+    default_draft_tokens = arch.pop("default_draft_tokens", None)
     try:
         config = DFlashConfig(**arch)
     except TypeError as exc:
@@ -72,6 +77,7 @@ def load_dflash(path, target) -> DFlashDrafter:
     if missing or unexpected:
         raise DrafterError(f"the weights in {path} do not fit the DFlash drafter (missing {missing[:3]}, "
                            f"unexpected {unexpected[:3]}).")
+    model.default_draft_tokens = default_draft_tokens
     return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
 
 
@@ -109,7 +115,8 @@ class DFlashBlockDrafter(Drafter):
             raise ConfigError(f"num_draft_tokens={config.num_draft_tokens} but a block of {model.config.block_size} "
                               f"drafts at most {drafts}.")
         self.model = model
-        self.num_draft_tokens = config.num_draft_tokens or drafts
+        tuned = getattr(model, "default_draft_tokens", None)
+        self.num_draft_tokens = min(config.num_draft_tokens or tuned or drafts, drafts)
         self.target_hidden_layers = tuple(model.config.feature_layers)
         self.reset()
 

@@ -150,6 +150,7 @@ class DFlashDrafter(nn.Module):
         self.final_norm = nn.RMSNorm(hidden, eps=eps)
         self.register_buffer("vocab", vocab.clone().long(), persistent=False)  # shape: [Vd]
         self._borrowed = Borrowed.from_target(target, vocab)
+        self.default_draft_tokens: int | None = None  # drafts per step when not asked (tuned; None = B-1)
         if initialize:
             self._initialize()
 
