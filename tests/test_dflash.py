@@ -13,10 +13,10 @@ import torch
 import specwise
 from conftest import ARCHS, make_target, random_prompt, reference_greedy
 from specwise.checkpoint import DrafterCheckpoint, load_drafter, save_checkpoint, target_fingerprint
-from specwise.drafters.dflash import DFlashBlockDrafter, DFlashDrafterConfig, load_dflash
+from specwise.drafters.dflash import DFlashDrafter, DFlashDrafterConfig, load_dflash
 from specwise.errors import ConfigError, DrafterError
 from specwise.loop import speculative_generate
-from specwise.models.dflash import DFlashConfig, DFlashDrafter
+from specwise.models.dflash import DFlashConfig, DFlashModel
 from specwise.models.eagle import rotary
 from specwise.sampling import SamplingConfig
 from specwise.types import DraftContext, StepFeedback
@@ -25,13 +25,13 @@ LAYERS = (0, 1, 2)
 VOCAB_D = 96
 
 
-def make_dflash(target, block_size: int = 4, window: int = 64, seed: int = 0) -> DFlashDrafter:
+def make_dflash(target, block_size: int = 4, window: int = 64, seed: int = 0) -> DFlashModel:
     """A random drafter (residual outputs not zero, so every part matters), float64."""
     torch.manual_seed(seed)
     vocab = torch.randperm(target.vocab_size)[:VOCAB_D]
     config = DFlashConfig(feature_layers=LAYERS, draft_vocab_size=VOCAB_D, block_size=block_size, num_layers=2,
                           num_heads=2, head_dim=16, intermediate_size=64, window=window)
-    model = DFlashDrafter(target, config, vocab).double()
+    model = DFlashModel(target, config, vocab).double()
     with torch.no_grad():
         for layer in model.layers:
             layer.o_proj.weight.normal_(std=0.2)
@@ -45,7 +45,7 @@ def target_features(target, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([out.hidden_states[i][0] for i in LAYERS], dim=-1)
 
 
-def reference_block(model: DFlashDrafter, features: torch.Tensor, anchor_token: int, anchor: int) -> torch.Tensor:
+def reference_block(model: DFlashModel, features: torch.Tensor, anchor_token: int, anchor: int) -> torch.Tensor:
     """Logits ``[B-1, Vd]`` of one block computed naively: context vectors of indices
     ``anchor - window .. anchor - 1``, then each layer with plain softmax attention over
     ``[context keys; block keys]``, no mask."""
@@ -80,9 +80,9 @@ def test_config_is_validated():
         DFlashConfig(feature_layers=())
     target = make_target("llama")
     with pytest.raises(ConfigError, match="outside the target's hidden states"):
-        DFlashDrafter(target, DFlashConfig(feature_layers=(9,), draft_vocab_size=4), torch.arange(4))
+        DFlashModel(target, DFlashConfig(feature_layers=(9,), draft_vocab_size=4), torch.arange(4))
     with pytest.raises(ConfigError, match="num_draft_tokens=9"):
-        DFlashBlockDrafter(target, DFlashDrafterConfig(num_draft_tokens=9), model=make_dflash(target, 4))
+        DFlashDrafter(target, DFlashDrafterConfig(num_draft_tokens=9), model=make_dflash(target, 4))
 
 
 @pytest.mark.parametrize("window", [64, 5])
@@ -104,7 +104,7 @@ def test_drafting_equals_the_training_forward_and_the_cache_follows_the_accepted
     target = make_target(arch, eos=(), attn_implementation="sdpa")
     model = make_dflash(target, block_size=5, window=6)
     prompt = random_prompt(9, seed=3)
-    drafter = DFlashBlockDrafter(target, DFlashDrafterConfig(), model=model)
+    drafter = DFlashDrafter(target, DFlashDrafterConfig(), model=model)
     tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=25, sampling=SamplingConfig())
     assert stats.target_forwards > 1
     committed = torch.cat([prompt, torch.tensor(tokens)])
@@ -128,7 +128,7 @@ def test_drafting_equals_the_training_forward_and_the_cache_follows_the_accepted
 @pytest.mark.parametrize("block_size,window", [(2, 64), (4, 8), (8, 64), (16, 3)])
 def test_greedy_equals_plain_decoding(arch, block_size, window):
     target = make_target(arch, eos=(), attn_implementation="sdpa")
-    drafter = DFlashBlockDrafter(target, DFlashDrafterConfig(), model=make_dflash(target, block_size, window))
+    drafter = DFlashDrafter(target, DFlashDrafterConfig(), model=make_dflash(target, block_size, window))
     prompt = random_prompt(20, seed=2)
     tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
     assert tokens == reference_greedy(target.model, prompt, 30)
@@ -142,7 +142,7 @@ def test_greedy_accepts_when_the_drafter_guesses_right(monkeypatch):
     model = make_dflash(target, block_size=6)
     prompt = random_prompt(10, seed=6)
     truth = reference_greedy(target.model, prompt, 40)
-    drafter = DFlashBlockDrafter(target, DFlashDrafterConfig(), model=model)
+    drafter = DFlashDrafter(target, DFlashDrafterConfig(), model=model)
     real_propose = drafter.propose
 
     def oracle(ctx):
@@ -166,7 +166,7 @@ def test_eos_inside_a_block_stops_generation_there():
     target.eos_token_ids = frozenset({eos})
     stop = truth.index(eos)
     model = make_dflash(target, block_size=8)
-    drafter = DFlashBlockDrafter(target, DFlashDrafterConfig(), model=model)
+    drafter = DFlashDrafter(target, DFlashDrafterConfig(), model=model)
     result = specwise.generate(target, prompt, drafter=drafter, max_new_tokens=30)
     assert result.token_ids == truth[: stop + 1] and result.stop_reason == "eos"
 
@@ -184,7 +184,7 @@ def test_public_api_runs_dflash_with_a_given_drafter(tmp_path):
 # ---------------------------------------------------------------------------------------- checkpoints
 
 
-def _save(target, model: DFlashDrafter, path):
+def _save(target, model: DFlashModel, path):
     tensors = {**model.trainable_state_dict(), "draft_vocab": model.vocab.to(torch.int32)}
     ckpt = DrafterCheckpoint("dflash", model.architecture(), target.name, target_fingerprint(target), tensors)
     return save_checkpoint(ckpt, path)
@@ -201,7 +201,7 @@ def test_checkpoint_round_trip(tmp_path):
     for name, value in loaded.state_dict().items():
         torch.testing.assert_close(value, rounded[name], rtol=0, atol=0)
     drafter = load_drafter(path, target)
-    assert isinstance(drafter, DFlashBlockDrafter) and drafter.target_hidden_layers == LAYERS
+    assert isinstance(drafter, DFlashDrafter) and drafter.target_hidden_layers == LAYERS
     assert drafter.num_draft_tokens == 3  # all B-1 drafts unless a tuned default is recorded
     config = json.loads((path / "config.json").read_text())
     config["architecture"]["default_draft_tokens"] = 2
@@ -216,9 +216,9 @@ def test_a_drafter_for_another_target_is_refused(tmp_path):
     with pytest.raises(DrafterError, match="trained for target 'tiny-llama-0'.*tiny-gemma3-0"):
         load_drafter(path, gemma)
     with pytest.raises(DrafterError, match="needs a DFlash drafter"):
-        DFlashBlockDrafter(llama, DFlashDrafterConfig())
+        DFlashDrafter(llama, DFlashDrafterConfig())
     with pytest.raises(DrafterError, match="is torch.float32"):
-        DFlashBlockDrafter(llama, DFlashDrafterConfig(), model=make_dflash(llama).float())
+        DFlashDrafter(llama, DFlashDrafterConfig(), model=make_dflash(llama).float())
 
 
 # ---------------------------------------------------------------------------------------- training
@@ -242,7 +242,7 @@ def test_dflash_recipe_learns_and_validates_on_a_tiny_corpus(tmp_path):
     recipe = DFlashRecipe(corpus, vocab, LAYERS, DFlashRecipeConfig(batch_tokens=64, validation_every=3, block_size=4),
                           features_dir=features)
     assert recipe.batches(0, 0) == recipe.batches(0, 0) and recipe.batches(0, 0) != recipe.batches(1, 0)
-    model = DFlashDrafter(target, DFlashConfig(feature_layers=LAYERS, draft_vocab_size=VOCAB_D, block_size=4,
+    model = DFlashModel(target, DFlashConfig(feature_layers=LAYERS, draft_vocab_size=VOCAB_D, block_size=4,
                                                num_layers=1, num_heads=2, head_dim=16, intermediate_size=64),
                           vocab).float()
     result = train(model, recipe, TrainConfig(steps=40, lr=3e-3, warmup_steps=5, log_every=5), tmp_path / "t",

@@ -93,16 +93,16 @@ def _medusa(target, acceptance: str = "exact"):
 
 def _dflash(target):
     """A DFlash drafter over a reduced vocabulary (6 of 8 tokens), blocks of 3 (2 drafts)."""
-    from specwise.drafters.dflash import DFlashBlockDrafter, DFlashDrafterConfig
-    from specwise.models.dflash import DFlashConfig, DFlashDrafter
+    from specwise.drafters.dflash import DFlashDrafter, DFlashDrafterConfig
+    from specwise.models.dflash import DFlashConfig, DFlashModel
 
     torch.manual_seed(7)
     config = DFlashConfig(feature_layers=(0, 2), draft_vocab_size=6, block_size=3, num_layers=1, num_heads=2,
                           head_dim=8, intermediate_size=16)
-    model = DFlashDrafter(target, config, torch.tensor([4, 3, 5, 6, 0, 2])).double()
+    model = DFlashModel(target, config, torch.tensor([4, 3, 5, 6, 0, 2])).double()
     with torch.no_grad():
         model.layers[0].o_proj.weight.normal_(std=0.3)
-    return DFlashBlockDrafter(target, DFlashDrafterConfig(), model=model.eval().requires_grad_(False))
+    return DFlashDrafter(target, DFlashDrafterConfig(), model=model.eval().requires_grad_(False))
 
 
 CONFIGS = {

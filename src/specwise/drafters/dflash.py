@@ -31,7 +31,7 @@ import torch
 
 from specwise.drafters.base import Drafter, MethodConfig, register_drafter
 from specwise.errors import ConfigError, DrafterError
-from specwise.models.dflash import DFlashConfig, DFlashDrafter
+from specwise.models.dflash import DFlashConfig, DFlashModel
 from specwise.models.eagle import HeadCache
 from specwise.types import DraftContext, Proposal, StepFeedback
 
@@ -50,7 +50,7 @@ class DFlashDrafterConfig(MethodConfig):
             raise ConfigError(f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}.")
 
 
-def load_dflash(path, target) -> DFlashDrafter:
+def load_dflash(path, target) -> DFlashModel:
     """Load a DFlash drafter checkpoint for ``target`` (in the target's dtype and on its device).
 
     The checkpoint may record a tuned ``default_draft_tokens`` beside the architecture; it is kept
@@ -71,7 +71,7 @@ def load_dflash(path, target) -> DFlashDrafter:
         raise DrafterError(f"the DFlash drafter in {path} has an unknown architecture ({exc}).") from None
     if "draft_vocab" not in ckpt.tensors:
         raise DrafterError(f"the DFlash drafter in {path} has no draft vocabulary table.")
-    model = DFlashDrafter(target, config, ckpt.tensors["draft_vocab"].long(), initialize=False)
+    model = DFlashModel(target, config, ckpt.tensors["draft_vocab"].long(), initialize=False)
     weights = {k: v for k, v in ckpt.tensors.items() if k != "draft_vocab"}
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
@@ -82,14 +82,14 @@ def load_dflash(path, target) -> DFlashDrafter:
 
 
 @register_drafter("dflash", DFlashDrafterConfig, "DFlash block-diffusion drafter: a whole block in one forward")
-class DFlashBlockDrafter(Drafter):
+class DFlashDrafter(Drafter):
     """DFlash drafting.
 
     Args:
         target: the :class:`specwise.target.Target`.
         config: :class:`DFlashDrafterConfig`; ``config.drafter`` names the drafter unless ``model``
             is given; without either, the one shipped for the target is used.
-        model: an already built :class:`DFlashDrafter` (in the target's dtype, on its device).
+        model: an already built :class:`DFlashModel` (in the target's dtype, on its device).
 
     Raises:
         DrafterError: no drafter given and none ships for the target, one trained for another
@@ -97,7 +97,7 @@ class DFlashBlockDrafter(Drafter):
         ConfigError: ``num_draft_tokens`` above ``block_size - 1``.
     """
 
-    def __init__(self, target, config: DFlashDrafterConfig, model: DFlashDrafter | None = None) -> None:
+    def __init__(self, target, config: DFlashDrafterConfig, model: DFlashModel | None = None) -> None:
         from specwise.drafters.draft_model import shipped_drafter
 
         self.config = config

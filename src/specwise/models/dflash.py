@@ -113,8 +113,8 @@ class DFlashLayer(nn.Module):
         return x + self.down_proj(F.gelu(self.gate_proj(y), approximate="tanh") * self.up_proj(y))
 
 
-class DFlashDrafter(nn.Module):
-    """DFlash drafter network (see the module docstring).
+class DFlashModel(nn.Module):
+    """The DFlash drafter network (see the module docstring).
 
     Args:
         target: the :class:`specwise.target.Target` whose features, embeddings and LM head are used.

@@ -1,4 +1,4 @@
-"""Recipe: train a DFlash drafter (:class:`specwise.models.dflash.DFlashDrafter`) on the frozen target
+"""Recipe: train a DFlash drafter (:class:`specwise.models.dflash.DFlashModel`) on the frozen target
 (ALGORITHMS.md §7.3).
 
 Data: a self-distillation corpus whose features hold the target's top-k log-probabilities over the

@@ -188,7 +188,7 @@ def train_dflash(target, corpus: Path, out: Path, args: argparse.Namespace, say:
     The features (target top-k and the hidden states of the feature layers, by default the same
     low / middle / high layers as EAGLE's) go to :func:`taps_features_dir`, shared with EAGLE.
     """
-    from specwise.models.dflash import DFlashConfig, DFlashDrafter
+    from specwise.models.dflash import DFlashConfig, DFlashModel
     from specwise.models.eagle import default_feature_layers
     from specwise.training.dflash_recipe import DFlashRecipe, DFlashRecipeConfig
     from specwise.training.features import FeatureConfig, extract_features
@@ -213,7 +213,7 @@ def train_dflash(target, corpus: Path, out: Path, args: argparse.Namespace, say:
     recipe = DFlashRecipe(corpus, vocab, layers, recipe_config, features_dir)
     say(f"training on {recipe.train_tokens} tokens ({len(recipe.train_examples)} sequences), "
         f"{len(recipe.validation_examples)} validation sequences, feature layers {list(layers)}, block {block_size}")
-    model = DFlashDrafter(target, DFlashConfig(feature_layers=layers, draft_vocab_size=size, block_size=block_size,
+    model = DFlashModel(target, DFlashConfig(feature_layers=layers, draft_vocab_size=size, block_size=block_size,
                                                num_layers=int(pick("dflash_layers")), window=max_length), vocab)
     _train_and_save("dflash", "DFlash block diffusion (random anchors, bidirectional blocks, soft cross-entropy on "
                     "target top-k, entry k weighted exp(-(k-1)/4), draft vocabulary)", model, recipe, recipe_config,
