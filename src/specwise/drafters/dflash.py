@@ -159,7 +159,6 @@ class DFlashDrafter(Drafter):
         x = model.block_input(ctx.token_ids[-1])  # shape: [B, H]
         positions = torch.arange(length, length + size, device=device)
         context_kv = [(c.keys[begin:length], c.values[begin:length]) for c in self.caches]
-        allowed = torch.ones(size, length - begin + size, dtype=torch.bool, device=device)
-        h = model.run_block(x, positions, context_kv, allowed)
+        h = model.run_block(x, positions, context_kv)  # the block sees its whole window and itself
         drafts = model.logits(h[1: count + 1]).argmax(dim=-1)  # shape: [count]
         return Proposal(model.vocab[drafts])

@@ -89,14 +89,15 @@ class DFlashLayer(nn.Module):
         return k, self._heads(self.v_proj(x))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor,
-                allowed: torch.Tensor) -> torch.Tensor:
+                allowed: torch.Tensor | None) -> torch.Tensor:
         """One layer over the block.
 
         Args:
             x: ``[..., n, H]`` block states.
             positions: ``[..., n]`` their rotary positions.
             context_k, context_v: ``[..., m, heads, d]`` the context keys and values.
-            allowed: ``[..., n, m + n]`` bool, which context and block keys each block entry sees.
+            allowed: ``[..., n, m + n]`` bool, which context and block keys each block entry sees;
+                ``None``: all of them (drafting one block).
 
         Returns:
             ``[..., n, H]``.
@@ -106,8 +107,9 @@ class DFlashLayer(nn.Module):
         k, v = self.keys_values(h, positions)
         keys = torch.cat([context_k, k], dim=-3).transpose(-3, -2)  # shape: [..., heads, m+n, d]
         values = torch.cat([context_v, v], dim=-3).transpose(-3, -2)
+        mask = None if allowed is None else allowed.unsqueeze(-3)
         attended = F.scaled_dot_product_attention(q.transpose(-3, -2), keys, values,
-                                                  attn_mask=allowed.unsqueeze(-3))  # shape: [..., heads, n, d]
+                                                  attn_mask=mask)  # shape: [..., heads, n, d]
         x = x + self.o_proj(attended.transpose(-3, -2).flatten(-2))
         y = self.mlp_norm(x)
         return x + self.down_proj(F.gelu(self.gate_proj(y), approximate="tanh") * self.up_proj(y))
@@ -185,9 +187,10 @@ class DFlashModel(nn.Module):
         """Per layer, the keys and values ``[..., m, heads, d]`` of context vectors ``[..., m, H]``."""
         return [layer.keys_values(context, positions) for layer in self.layers]
 
-    def run_block(self, x: torch.Tensor, positions: torch.Tensor, context_kv, allowed: torch.Tensor) -> torch.Tensor:
+    def run_block(self, x: torch.Tensor, positions: torch.Tensor, context_kv,
+                  allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Block states ``[..., n, H]`` through every layer (``context_kv`` per layer, ``allowed``
-        ``[..., n, m + n]``); returns the final states ``[..., n, H]``."""
+        ``[..., n, m + n]`` or ``None`` for no mask); returns the final states ``[..., n, H]``."""
         for layer, (k, v) in zip(self.layers, context_kv):
             x = layer(x, positions, k, v, allowed)
         return x
