@@ -106,10 +106,8 @@ class MedusaHeads(nn.Module):
 
     def head_states(self, hidden: torch.Tensor, heads: int | None = None) -> list[torch.Tensor]:
         """Each head's output state ``[..., H]`` for ``hidden`` ``[..., H]`` (the first ``heads`` heads)."""
-        dtype = self.scale.dtype
-        scale = self.scale
-        u = hidden.to(dtype) / scale
-        return [block(u) * scale for block in self.heads[:heads]]
+        u = hidden.to(self.scale.dtype) / self.scale
+        return [block(u) * self.scale for block in self.heads[:heads]]
 
     def head_logits(self, state: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits ``[..., Vd]`` of a head state ``[..., H]``; column j is ``vocab[j]``."""
