@@ -64,6 +64,36 @@ def taps_features_dir(corpus: Path, layers: tuple[int, ...]) -> Path:
     return corpus / ("features-taps-" + "-".join(str(i) for i in layers))
 
 
+def feature_layers(target, args: argparse.Namespace) -> tuple[int, ...]:
+    """``--feature-layers I,J,K``, else EAGLE-3's low / middle / high taps for the target's depth."""
+    from specwise.models.eagle import default_feature_layers
+
+    if getattr(args, "feature_layers", None):
+        return tuple(int(x) for x in args.feature_layers.split(","))
+    return default_feature_layers(int(target.model.config.get_text_config().num_hidden_layers))
+
+
+def tap_features(target, corpus: Path, layers: tuple[int, ...], size: int, args: argparse.Namespace,
+                 say: Callable[[str], None]) -> tuple[torch.Tensor, Path, float]:
+    """Run (or resume) the features pass with the hidden states of ``layers`` into
+    :func:`taps_features_dir` on rank 0, over a ``size``-token draft vocabulary.
+
+    Returns:
+        ``(vocab [Vd] int64, features directory, minutes spent)``.
+    """
+    from specwise.training.features import FeatureConfig, extract_features
+
+    features_dir = taps_features_dir(corpus, layers)
+    started = time.perf_counter()
+    with main_process_first() as is_main:
+        if is_main:
+            vocab = choose_vocabulary(target, corpus, size, say, features_dir)
+            extract_features(target, corpus, vocab, FeatureConfig(top_k=args.top_k, hidden_layers=layers),
+                             progress=say, features_dir=features_dir)
+    vocab = load_file(str(features_dir / "draft_vocab.safetensors"))["vocab"]
+    return vocab, features_dir, (time.perf_counter() - started) / 60
+
+
 def train_draft(target, corpus: Path, out: Path, args: argparse.Namespace, say: Callable[[str], None]) -> Path:
     """Distil a draft LM (:mod:`specwise.training.draft_recipe`) and write its checkpoint to ``out``."""
     from specwise.models.draft_lm import DraftLM, DraftLMConfig
@@ -103,24 +133,13 @@ def train_eagle(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
     The features (target top-k and the hidden states of the head's feature layers) go to
     :func:`taps_features_dir`.
     """
-    from specwise.models.eagle import EagleConfig, EagleHead, default_feature_layers
+    from specwise.models.eagle import EagleConfig, EagleHead
     from specwise.training.eagle_recipe import EagleRecipe, EagleRecipeConfig
-    from specwise.training.features import FeatureConfig, extract_features
 
     pick = lambda name: getattr(args, name, None) if getattr(args, name, None) is not None else EAGLE_DEFAULTS[name]  # noqa: E731
     size = int(pick("draft_vocab_size"))
-    num_layers = int(target.model.config.get_text_config().num_hidden_layers)
-    layers = tuple(int(x) for x in args.feature_layers.split(",")) if getattr(args, "feature_layers", None) \
-        else default_feature_layers(num_layers)
-    features_dir = taps_features_dir(corpus, layers)
-    started = time.perf_counter()
-    with main_process_first() as is_main:
-        if is_main:
-            vocab = choose_vocabulary(target, corpus, size, say, features_dir)
-            extract_features(target, corpus, vocab, FeatureConfig(top_k=args.top_k, hidden_layers=layers),
-                             progress=say, features_dir=features_dir)
-    vocab = load_file(str(features_dir / "draft_vocab.safetensors"))["vocab"]
-    feature_minutes = (time.perf_counter() - started) / 60
+    layers = feature_layers(target, args)
+    vocab, features_dir, feature_minutes = tap_features(target, corpus, layers, size, args, say)
     max_length = int(pick("max_length"))
     recipe_config = EagleRecipeConfig(batch_tokens=int(pick("batch_tokens")), max_length=max_length,
                                       ttt_steps=int(pick("ttt_steps")))
@@ -146,22 +165,13 @@ def train_medusa(target, corpus: Path, out: Path, args: argparse.Namespace, say:
     The features (target top-k and its final hidden state) go to :func:`taps_features_dir`.
     """
     from specwise.models.medusa import MedusaConfig, MedusaHeads, final_hidden_layer
-    from specwise.training.features import FeatureConfig, extract_features
     from specwise.training.medusa_recipe import MedusaRecipe, MedusaRecipeConfig
     from specwise.training.tree_calibration import calibrate_tree
 
     pick = lambda name: getattr(args, name, None) if getattr(args, name, None) is not None else MEDUSA_DEFAULTS[name]  # noqa: E731
     size = int(pick("draft_vocab_size"))
     layer = final_hidden_layer(target)
-    features_dir = taps_features_dir(corpus, (layer,))
-    started = time.perf_counter()
-    with main_process_first() as is_main:
-        if is_main:
-            vocab = choose_vocabulary(target, corpus, size, say, features_dir)
-            extract_features(target, corpus, vocab, FeatureConfig(top_k=args.top_k, hidden_layers=(layer,)),
-                             progress=say, features_dir=features_dir)
-    vocab = load_file(str(features_dir / "draft_vocab.safetensors"))["vocab"]
-    feature_minutes = (time.perf_counter() - started) / 60
+    vocab, features_dir, feature_minutes = tap_features(target, corpus, (layer,), size, args, say)
     num_heads = int(pick("num_heads"))
     recipe_config = MedusaRecipeConfig(batch_tokens=int(pick("batch_tokens")))
     recipe = MedusaRecipe(corpus, vocab, layer, num_heads, recipe_config, features_dir)
@@ -189,24 +199,12 @@ def train_dflash(target, corpus: Path, out: Path, args: argparse.Namespace, say:
     low / middle / high layers as EAGLE's) go to :func:`taps_features_dir`, shared with EAGLE.
     """
     from specwise.models.dflash import DFlashConfig, DFlashModel
-    from specwise.models.eagle import default_feature_layers
     from specwise.training.dflash_recipe import DFlashRecipe, DFlashRecipeConfig
-    from specwise.training.features import FeatureConfig, extract_features
 
     pick = lambda name: getattr(args, name, None) if getattr(args, name, None) is not None else DFLASH_DEFAULTS[name]  # noqa: E731
     size = int(pick("draft_vocab_size"))
-    num_layers = int(target.model.config.get_text_config().num_hidden_layers)
-    layers = tuple(int(x) for x in args.feature_layers.split(",")) if getattr(args, "feature_layers", None) \
-        else default_feature_layers(num_layers)
-    features_dir = taps_features_dir(corpus, layers)
-    started = time.perf_counter()
-    with main_process_first() as is_main:
-        if is_main:
-            vocab = choose_vocabulary(target, corpus, size, say, features_dir)
-            extract_features(target, corpus, vocab, FeatureConfig(top_k=args.top_k, hidden_layers=layers),
-                             progress=say, features_dir=features_dir)
-    vocab = load_file(str(features_dir / "draft_vocab.safetensors"))["vocab"]
-    feature_minutes = (time.perf_counter() - started) / 60
+    layers = feature_layers(target, args)
+    vocab, features_dir, feature_minutes = tap_features(target, corpus, layers, size, args, say)
     block_size, max_length = int(pick("block_size")), int(pick("max_length"))
     recipe_config = DFlashRecipeConfig(batch_tokens=int(pick("batch_tokens")), max_length=max_length,
                                        block_size=block_size)
