@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specwise.errors import ConfigError, DrafterError
+from specwise.errors import ConfigError
 from specwise.models.draft_lm import Borrowed
-from specwise.models.eagle import rotary
+from specwise.models.eagle import check_taps_and_vocabulary, rotary
 
 
 @dataclass(frozen=True)
@@ -133,14 +133,7 @@ class DFlashModel(nn.Module):
         super().__init__()
         text_config = target.model.config.get_text_config()
         hidden = int(text_config.hidden_size)
-        num_layers = int(text_config.num_hidden_layers)
-        bad = [i for i in config.feature_layers if not 0 <= i <= num_layers]
-        if bad:
-            raise ConfigError(f"feature layer {bad[0]} is outside the target's hidden states 0..{num_layers}.")
-        if vocab.numel() != config.draft_vocab_size:
-            raise DrafterError(f"draft vocabulary has {vocab.numel()} ids but the config says {config.draft_vocab_size}.")
-        if int(vocab.max()) >= target.vocab_size or int(vocab.min()) < 0:
-            raise DrafterError(f"draft vocabulary ids fall outside the target's {target.vocab_size} tokens.")
+        check_taps_and_vocabulary(target, config.feature_layers, vocab, config.draft_vocab_size)
         self.config = config
         eps = float(getattr(text_config, "rms_norm_eps", 1e-6))
         # per-tap norms first: Gemma-3's residual stream has single dimensions near 1e5

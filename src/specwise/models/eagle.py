@@ -39,6 +39,28 @@ from specwise.errors import ConfigError, DrafterError
 from specwise.models.draft_lm import Borrowed
 
 
+def check_taps_and_vocabulary(target, feature_layers: tuple[int, ...], vocab: torch.Tensor, size: int) -> None:
+    """Check a drafter's feature taps and draft vocabulary against ``target`` (EAGLE, DFlash).
+
+    Args:
+        feature_layers: HF ``hidden_states`` indices the drafter reads.
+        vocab: ``[Vd]`` int64 target token ids of the draft vocabulary.
+        size: the draft vocabulary size the drafter's config says.
+
+    Raises:
+        ConfigError: a feature layer outside the target's hidden states.
+        DrafterError: the vocabulary table does not match ``size`` or the target.
+    """
+    num_layers = int(target.model.config.get_text_config().num_hidden_layers)
+    bad = [i for i in feature_layers if not 0 <= i <= num_layers]
+    if bad:
+        raise ConfigError(f"feature layer {bad[0]} is outside the target's hidden states 0..{num_layers}.")
+    if vocab.numel() != size:
+        raise DrafterError(f"draft vocabulary has {vocab.numel()} ids but the config says {size}.")
+    if int(vocab.max()) >= target.vocab_size or int(vocab.min()) < 0:
+        raise DrafterError(f"draft vocabulary ids fall outside the target's {target.vocab_size} tokens.")
+
+
 @dataclass(frozen=True)
 class EagleConfig:
     """Architecture of an EAGLE-3 head."""
@@ -105,14 +127,7 @@ class EagleHead(nn.Module):
         super().__init__()
         text_config = target.model.config.get_text_config()
         hidden = int(text_config.hidden_size)
-        num_layers = int(text_config.num_hidden_layers)
-        bad = [i for i in config.feature_layers if not 0 <= i <= num_layers]
-        if bad:
-            raise ConfigError(f"feature layer {bad[0]} is outside the target's hidden states 0..{num_layers}.")
-        if vocab.numel() != config.draft_vocab_size:
-            raise DrafterError(f"draft vocabulary has {vocab.numel()} ids but the config says {config.draft_vocab_size}.")
-        if int(vocab.max()) >= target.vocab_size or int(vocab.min()) < 0:
-            raise DrafterError(f"draft vocabulary ids fall outside the target's {target.vocab_size} tokens.")
+        check_taps_and_vocabulary(target, config.feature_layers, vocab, config.draft_vocab_size)
         self.config = config
         self.hidden_size = hidden
         eps = float(getattr(text_config, "rms_norm_eps", 1e-6))
