@@ -10,12 +10,14 @@ chose but has not processed yet, so the KV cache always holds ``len(committed) -
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
 
 from specwise.drafters.base import Drafter
 from specwise.machine import DeviceClock
+from specwise.node_logits import NodeValues, TreeLogits, first_child_path
 from specwise.sampling import SamplingConfig, prefix_token_masks, probs_from_scores, process_logits
 from specwise.target import AttentionLayout
 from specwise.tree import DraftTree
@@ -55,7 +57,7 @@ def verify_chain(
 
 
 def verify_tree(
-    logits: torch.Tensor,
+    logits: "torch.Tensor | TreeLogits",
     tree: DraftTree,
     draft_probs: torch.Tensor | None,
     sibling_rule: str,
@@ -64,37 +66,45 @@ def verify_tree(
     generator: torch.Generator | None,
     typical: TypicalAcceptance | None = None,
 ) -> tuple[list[int], int]:
-    """Process the target's logits at every tree node and walk the tree.
+    """Process the target's logits at the tree nodes the walk visits, and walk the tree.
 
     Args:
-        logits: ``[n, V]`` raw target logits per node (node 0 = root).
+        logits: ``[n, V]`` raw target logits per node (node 0 = root), or a :class:`TreeLogits`
+            that computes a node's row when the walk first reaches it (a path at a time).
         tree: the draft tree.
         draft_probs: ``[n-1, V]`` per draft node, or ``None``.
         sibling_rule: see :func:`specwise.verify.tree_speculative_sample`.
         context_ids: ``[T+1]`` committed tokens ending with the root.
         typical: when sampling, walk the tree by the lossy typical-acceptance rule instead
-            (:func:`specwise.verify.typical_tree_accept`).
+            (:func:`specwise.verify.typical_tree_accept`); it reads every node.
 
     Returns:
         ``(path, next_token)``: accepted node indices (root excluded) and the next root.
     """
+    rows = logits if isinstance(logits, TreeLogits) else TreeLogits.complete(logits)
     seen = None
     if sampling.uses_history:
-        vocab = logits.shape[-1]
+        vocab = rows.rows([0]).shape[-1]
         seen = prefix_token_masks(context_ids, context_ids[:0], vocab).expand(tree.size, vocab).clone()
         on_path = tree.ancestors.clone()
         on_path[:, 0] = False  # the root is already in the context
-        rows, cols = on_path.nonzero(as_tuple=True)
-        seen[rows, tree.tokens[cols]] = True
+        node_index, ancestor = on_path.nonzero(as_tuple=True)
+        seen[node_index, tree.tokens[ancestor]] = True
+
+    def scores(nodes: list[int]) -> torch.Tensor:  # shape: [len(nodes), V]
+        return process_logits(rows.rows(nodes), sampling, None if seen is None else seen[nodes])
+
     tokens = tree.tokens.tolist()
+    along_path = partial(first_child_path, tree.children)
     if sampling.is_greedy:
-        scores = logits if seen is None else process_logits(logits, sampling, seen)
-        return greedy_tree_accept(tree.children, tokens, scores.argmax(dim=-1).tolist())
-    probs = probs_from_scores(process_logits(logits, sampling, seen))
+        argmax = NodeValues(lambda nodes: scores(nodes).argmax(dim=-1).tolist(), along_path)
+        return greedy_tree_accept(tree.children, tokens, argmax)
     if typical is not None:
+        probs = probs_from_scores(scores(list(range(tree.size))))
         return typical_tree_accept(tree.parents.tolist(), tokens, probs, typical.posterior_threshold,
                                    typical.posterior_alpha, generator)
-    node_probs = None if draft_probs is None else torch.cat([probs[:1], draft_probs])
+    probs = NodeValues(lambda nodes: probs_from_scores(scores(nodes)), along_path)
+    node_probs = None if draft_probs is None else torch.cat([draft_probs[:1], draft_probs])  # row 0 unused
     return tree_speculative_sample(tree.children, tokens, probs, node_probs, sibling_rule, generator)
 
 
@@ -131,7 +141,12 @@ def _run_verification(target, cache, context: torch.Tensor, proposal: Proposal, 
     aux = proposal.auxiliary
     n = tree.size
     tokens, positions, visible = tree.tokens, tree.depth, tree.ancestors
-    logit_rows = torch.arange(n, device=context.device)
+    # the LM head runs on the drafter's most likely path; the walk computes other nodes' rows if it
+    # reaches them (node_logits.py). Typical acceptance reads every node.
+    lazy = proposal.typical is None and target.computes_logits_from_hidden
+    head_nodes = first_child_path(tree.children, 0) if lazy else list(range(n))
+    logit_rows = torch.tensor(head_nodes, device=context.device)
+    layers = tuple(dict.fromkeys(hidden_layers + ((target.final_layer,) if lazy else ())))
     if aux is not None:
         a = aux.tokens.numel()
         tokens = torch.cat([tokens, aux.tokens])
@@ -141,17 +156,21 @@ def _run_verification(target, cache, context: torch.Tensor, proposal: Proposal, 
         visible[n:, 0] = True  # auxiliary tokens see the root, not the drafts
         visible[n:, n:] = aux.visible
         logit_rows = torch.cat([logit_rows, n + aux.logit_rows])
-    result = target.forward(tokens, cache, logit_rows=logit_rows, hidden_layers=hidden_layers,
+    result = target.forward(tokens, cache, logit_rows=logit_rows, hidden_layers=layers,
                             layout=AttentionLayout(visible, positions + start))
+    h = len(head_nodes)
+    logits = TreeLogits(head_nodes, result.logits[:h],
+                        result.hidden_states[target.final_layer][:n] if lazy else None,
+                        target.logits_from_final_hidden)
     draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[tree.kept[1:] - 1]
-    path, next_token = verify_tree(result.logits[:n], tree, draft_probs, proposal.sibling_rule,
+    path, next_token = verify_tree(logits, tree, draft_probs, proposal.sibling_rule,
                                    context, sampling, generator, proposal.typical)
     kept = [0] + path
     cache.commit_path(start, kept)
-    hidden = {i: h[kept] for i, h in result.hidden_states.items()}
+    hidden = {i: result.hidden_states[i][kept] for i in hidden_layers}
     original = tree.kept.tolist()
     return _Verified(tree.tokens[path].tolist(), next_token, [original[i] - 1 for i in path], n - 1,
-                     int(tree.depth.max()), hidden, result.logits[n:] if aux is not None else None)
+                     int(tree.depth.max()), hidden, result.logits[h:] if aux is not None else None)
 
 
 class _Output:

@@ -7,6 +7,7 @@ It owns nothing but the model and tokenizer; KV caches are created per generatio
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -61,6 +62,48 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
+
+    @property
+    def final_layer(self) -> int:
+        """HF ``hidden_states`` index of the final hidden state (after the final norm): the layer count L."""
+        return int(self.model.config.get_text_config().num_hidden_layers)
+
+    def logits_from_final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on final hidden states: what the model's forward returns as logits.
+
+        Lets a verification compute the LM head for only the tree nodes it visits
+        (:class:`specwise.node_logits.TreeLogits`); use it only where
+        :attr:`computes_logits_from_hidden` is true.
+
+        Args:
+            hidden: ``[R, H]`` rows of ``hidden_states[final_layer]`` (model dtype).
+
+        Returns:
+            ``[R, V]`` logits (model dtype), final logit soft-capping (Gemma) applied.
+        """
+        logits = self.model.get_output_embeddings()(hidden)
+        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @cached_property
+    @torch.inference_mode()
+    def computes_logits_from_hidden(self) -> bool:
+        """Whether :meth:`logits_from_final_hidden` reproduces this model's logits.
+
+        Checked once, on a two-token forward: an architecture that transforms its logits in a way
+        the method does not know (a logit scale, say) gets ``False``, and verification then computes
+        every row through the model's own forward.
+        """
+        ids = torch.tensor([[0, 1]], device=self.device).clamp_(max=self.vocab_size - 1)
+        out = self.model(input_ids=ids, use_cache=False, output_hidden_states=True)
+        expected = out.logits[0].float()
+        ours = self.logits_from_final_hidden(out.hidden_states[self.final_layer][0]).float()
+        if ours.shape != expected.shape:
+            return False
+        tolerance = 4 * torch.finfo(self.dtype).eps * float(expected.abs().max()) + 1e-6
+        return bool(((ours - expected).abs() <= tolerance).all())
 
     def new_cache(self) -> KVCache:
         """An empty KV cache for one generation."""

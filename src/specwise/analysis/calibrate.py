@@ -155,18 +155,28 @@ def binary_tree_layout(num_nodes: int, start: int, device) -> AttentionLayout:
     return AttentionLayout(tree.ancestors.to(device), (tree.depth + start).to(device))
 
 
+def _tree_forward_options(target, num_nodes: int) -> dict:
+    """What a tree verification of the binary tree asks the target for: the LM head on the
+    first-child path (0, 1, 3, 7, ...) and the final hidden state, or every row (node_logits.py)."""
+    if not target.computes_logits_from_hidden:
+        return {"logit_rows": torch.arange(num_nodes, device=target.device)}
+    rows = [i for i in (2 ** k - 1 for k in range(num_nodes.bit_length() + 1)) if i < num_nodes]
+    return {"logit_rows": torch.tensor(rows, device=target.device), "hidden_layers": (target.final_layer,)}
+
+
 def measure_forward_times(target, context_ids: torch.Tensor, sizes: Sequence[int], repeats: int,
                           tree: bool = False) -> list[float]:
     """Median seconds of one target forward over n new tokens after ``context_ids``, for each n.
 
     Args:
         context_ids: ``[L]`` long, prefilled once into a cache; each timed forward appends n
-            tokens, computes all n logits, and is rolled back.
+            tokens, computes their logits (a tree: as its verification does), and is rolled back.
         sizes: the n to measure (each <= L: the new tokens are taken from the context).
         repeats: timed runs per size, after one warm-up run each; the order of sizes rotates
             between rounds so slow drift of the machine is spread over all sizes.
         tree: verify a binary draft tree of n nodes (explicit 4-D mask and positions, as tree
-            methods do) instead of a causal chain.
+            methods do) instead of a causal chain, with the LM head on the rows a tree verification
+            computes up front (:mod:`specwise.node_logits`); the rows a walk may add later are not timed.
 
     Returns:
         ``t(n)`` per size, in the order of ``sizes``.
@@ -176,13 +186,14 @@ def measure_forward_times(target, context_ids: torch.Tensor, sizes: Sequence[int
     length = context_ids.numel()
     target.forward(context_ids, cache, num_logits=1)
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    layouts = {n: binary_tree_layout(n, length, target.device) if tree else None for n in sizes}
+    options = {n: {"layout": binary_tree_layout(n, length, target.device), **_tree_forward_options(target, n)}
+               if tree else {"num_logits": n} for n in sizes}
     for round_index in range(repeats + 1):
         shift = round_index % len(sizes)
         for n in list(sizes[shift:]) + list(sizes[:shift]):
             new = context_ids[:n]
             start = clock.now()
-            target.forward(new, cache, num_logits=n, layout=layouts[n])
+            target.forward(new, cache, **options[n])
             elapsed = clock.now() - start
             cache.rollback(length)
             if round_index > 0:  # round 0 is the warm-up
