@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -341,3 +343,40 @@ def test_eagle_recipe_learns_and_validates_on_a_tiny_corpus(tmp_path):
     assert result.curve[-1]["loss"] < result.curve[0]["loss"]
     validation = result.validation
     assert len(validation["acceptance_by_position"]) == 6 and validation["mean_accepted_length"] >= 1.0
+    check_loss_on_generated(corpus, vocab, features, head)
+
+
+def check_loss_on_generated(corpus, vocab, features, head) -> None:
+    """``loss_on="generated"``: no text-only windows, and the loss ignores the prompts' labels."""
+    from specwise.training.eagle_recipe import EagleRecipe, EagleRecipeConfig
+
+    config = EagleRecipeConfig(batch_tokens=64, validation_every=3, ttt_steps=2)
+    generated = EagleRecipe(corpus, vocab, LAYERS, config, features_dir=features)
+    every = EagleRecipe(corpus, vocab, LAYERS, replace(config, loss_on="all"), features_dir=features)
+    assert any(e.tokens.numel() == e.prompt_length for e in every.train_examples)  # text-only prompts exist
+    assert {generated.train_examples[i].prompt_length < generated.train_examples[i].tokens.numel()
+            for i, _, _ in generated.windows} == {True}
+    assert len(generated.windows) < len(every.windows)
+    batch = [w for w in generated.windows if generated.train_examples[w[0]].prompt_length > 3][:2]
+    before, _ = generated.loss(head, batch)
+    for i, _, _ in batch:  # scramble the labels of tokens the prompt wrote
+        ex = generated.train_examples[i]
+        ex.top_probs[: ex.prompt_length - 1] = torch.rand_like(ex.top_probs[: ex.prompt_length - 1])
+    after, _ = generated.loss(head, batch)
+    torch.testing.assert_close(before, after)
+    assert not torch.allclose(every.loss(head, batch)[0], generated.loss(head, batch)[0])
+    with pytest.raises(ConfigError, match="loss_on"):
+        EagleRecipeConfig(loss_on="prompts")
+
+
+def test_unroll_on_selected_rows_equals_the_full_rows():
+    target = make_target("llama")
+    head = make_head(target)
+    ids = random_prompt(12, seed=2)
+    features = target_features(target, ids)[None, :-1]
+    next_ids = torch.cat([ids[1:], torch.zeros(2, dtype=torch.long)])[None]
+    select = [torch.rand(1, 11, generator=torch.Generator().manual_seed(j)) > 0.5 for j in range(2)]
+    full = head.unroll(features, next_ids, 2)
+    chosen = head.unroll(features, next_ids, 2, select)
+    for j in range(2):
+        torch.testing.assert_close(chosen[j], full[j][select[j]], rtol=0, atol=1e-10)

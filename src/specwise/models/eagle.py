@@ -215,11 +215,13 @@ class EagleHead(nn.Module):
         return out.transpose(0, 1).reshape(q.shape[0], -1)
 
     # ------------------------------------------------------------------ training
-    def forward(self, features: torch.Tensor, next_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def forward(self, features: torch.Tensor, next_ids: torch.Tensor, steps: int,
+                select: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Training forward: :meth:`unroll`."""
-        return self.unroll(features, next_ids, steps)
+        return self.unroll(features, next_ids, steps, select)
 
-    def unroll(self, features: torch.Tensor, next_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def unroll(self, features: torch.Tensor, next_ids: torch.Tensor, steps: int,
+               select: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The training-time test (EAGLE-3): ``steps`` draft steps unrolled over whole sequences.
 
         Step 0 at index t reads the fused target features at t and the token at t+1. Step j >= 1 at
@@ -232,9 +234,12 @@ class EagleHead(nn.Module):
             features: ``[B, T, F*H]`` concatenated target features.
             next_ids: ``[B, T + steps - 1]`` long: ``next_ids[:, t]`` is the token at index t+1.
             steps: J >= 1.
+            select: optional J bool masks ``[B, T]``: the output layer (most of the head's cost)
+                runs on the selected rows only, e.g. those with a loss.
 
         Returns:
-            J tensors of logits ``[B, T, Vd]``; step j's row t predicts the token at t+j+2.
+            J tensors of logits ``[B, T, Vd]`` (``[M_j, Vd]``, the selected rows in order, with
+            ``select``); step j's row t predicts the token at t+j+2.
         """
         batch, length, _ = features.shape
         device = features.device
@@ -263,7 +268,7 @@ class EagleHead(nn.Module):
             for i, value in enumerate(chain_values):
                 attended = attended + weights[..., length + i].transpose(1, 2)[..., None] * value
             feature = self.finish(feature, attended.reshape(batch, length, -1))
-            out.append(self.logits(feature))
+            out.append(self.logits(feature if select is None else feature[select[j]]))
         return out
 
     # ------------------------------------------------------------------ bookkeeping

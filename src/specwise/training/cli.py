@@ -81,6 +81,8 @@ def add_train_args(p: argparse.ArgumentParser, default_target: str) -> None:
                    help="eagle, dflash: target hidden_states indices to fuse, e.g. 2,9,15 (default: low, middle, high)")
     p.add_argument("--ttt-steps", type=int, default=None, help="eagle: draft steps unrolled in training (default 3)")
     p.add_argument("--max-length", type=int, default=None, help="eagle, dflash: longest training window (default 1024)")
+    p.add_argument("--loss-on", choices=("generated", "all"), default=None,
+                   help="eagle: positions with a loss: tokens the target wrote (default) or every position")
     p.add_argument("--num-heads", type=int, default=None, help="medusa: heads trained (default 4)")
     p.add_argument("--medusa-layers", type=int, default=None, help="medusa: residual blocks per head (default 1)")
     p.add_argument("--block-size", type=int, default=None, help="dflash: tokens per block, anchor included (default 8)")

@@ -5,7 +5,11 @@ draft vocabulary and the hidden states of the head's feature layers
 (:mod:`specwise.training.features`). Loss: the EAGLE-3 training-time test (Li et al. 2025,
 ALGORITHMS.md §4.3): the head is unrolled ``ttt_steps`` draft steps over every window, step j
 reading its own step-(j-1) outputs, and step j's soft cross-entropy against the target's
-renormalized top-k distribution is weighted ``step_decay ** j``.
+renormalized top-k distribution is weighted ``step_decay ** j``. By default the loss covers only
+positions whose predicted token the target wrote (``loss_on="generated"``: the continuations, not
+the human prompts; EAGLE's reference trains on assistant turns only): prompt tokens are still read
+as context, but the output layer, two thirds of the head's cost, skips them, and windows of prompt
+text alone are not trained on.
 
 Validation replays greedy chain decoding on held-out target-written text: with the unroll teacher
 forced, draft j at root r equals what decoding would have drafted whenever drafts 0..j-1 were
@@ -24,6 +28,9 @@ from specwise.training.acceptance import ChainAcceptance, replay_depths
 from specwise.training.draft_recipe import DraftLMRecipe, DraftRecipeConfig
 
 
+LOSS_ON = ("generated", "all")
+
+
 @dataclass(frozen=True)
 class EagleRecipeConfig(DraftRecipeConfig):
     """Data and loss settings of the EAGLE-3 recipe."""
@@ -31,10 +38,13 @@ class EagleRecipeConfig(DraftRecipeConfig):
     ttt_steps: int = 3  # draft steps unrolled in training (J)
     step_decay: float = 0.8  # loss weight of step j is step_decay ** j (EAGLE-3's reference value)
     validation_draft_tokens: int = 6  # chain depth of the replayed validation decoding
+    loss_on: str = "generated"  # "generated": predicted tokens the target wrote; "all": every position
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1 or not 0 < self.step_decay <= 1:
             raise ConfigError("ttt_steps must be >= 1 and step_decay in (0, 1].")
+        if self.loss_on not in LOSS_ON:
+            raise ConfigError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}.")
 
 
 class EagleRecipe(DraftLMRecipe):
@@ -55,9 +65,19 @@ class EagleRecipe(DraftLMRecipe):
                  config: EagleRecipeConfig = EagleRecipeConfig(), features_dir=None) -> None:
         super().__init__(corpus_dir, vocab, config, hidden_layers, features_dir)
         self.config: EagleRecipeConfig = config
+        if config.loss_on == "generated":
+            # a window is trained on when it predicts a generated token: index start + length or later
+            def generated(window) -> bool:
+                ex = self.train_examples[window[0]]
+                return ex.tokens.numel() > ex.prompt_length and window[1] + window[2] >= ex.prompt_length
+
+            self.windows = [w for w in self.windows if generated(w)]
+            if not self.windows:
+                raise ConfigError(f"{corpus_dir} has no target-written tokens to train on (loss_on='generated').")
 
     def _batch(self, batch, steps: int):
-        """Pad a micro-batch: features ``[B, W, F*H]``, next ids / top-k / validity ``[B, W+J-1, ...]``."""
+        """Pad a micro-batch: features ``[B, W, F*H]``, next ids / top-k / validity ``[B, W+J-1, ...]``
+        (validity 0 on padding and, with ``loss_on="generated"``, where the predicted token is a prompt's)."""
         width = max(length for _, _, length in batch)
         first = self.train_examples[batch[0][0]]
         k, fh = first.top_index.shape[1], first.hidden.shape[1]
@@ -76,6 +96,9 @@ class EagleRecipe(DraftLMRecipe):
             top_index[row, :m] = ex.top_index[start + 1: start + 1 + m]
             top_probs[row, :m] = ex.top_probs[start + 1: start + 1 + m]
             valid[row, :m] = 1
+            if self.config.loss_on == "generated":
+                # span index s holds the target's distribution for the token at start + 2 + s
+                valid[row, : max(0, ex.prompt_length - start - 2)] = 0
             rows[row, :length] = 1
         return feats, next_ids, top_index, top_probs, valid, rows
 
@@ -84,16 +107,16 @@ class EagleRecipe(DraftLMRecipe):
         device = next(model.parameters()).device
         feats, next_ids, top_index, top_probs, valid, rows = (t.to(device) for t in self._batch(batch, steps))
         width = feats.shape[1]
-        outputs = model(feats, next_ids, steps)  # steps x [B, W, Vd]
+        # step j's row t predicts the token after index t+j+1: top-k row t+j of the padded arrays
+        masks = [(valid[:, j: j + width] * rows) > 0 for j in range(steps)]
+        outputs = model(feats, next_ids, steps, masks)  # steps x [M_j, Vd]
         total, weight_sum = 0.0, 0.0
-        for j, logits in enumerate(outputs):
-            # step j's row t predicts the token after index t+j+1: top-k row t+j of the padded arrays
+        for j, (logits, mask) in enumerate(zip(outputs, masks)):
             log_q = torch.log_softmax(logits.float(), dim=-1)
-            picked = log_q.gather(-1, top_index[:, j: j + width])  # shape: [B, W, k]
-            per_position = -(top_probs[:, j: j + width] * picked).sum(-1)  # shape: [B, W]
-            mask = valid[:, j: j + width] * rows
+            picked = log_q.gather(-1, top_index[:, j: j + width][mask])  # shape: [M_j, k]
+            per_position = -(top_probs[:, j: j + width][mask] * picked).sum(-1)  # shape: [M_j]
             weight = self.config.step_decay ** j
-            total = total + weight * (per_position * mask).sum() / mask.sum().clamp_min(1.0)
+            total = total + weight * per_position.sum() / max(per_position.numel(), 1)
             weight_sum += weight
         return total / weight_sum, int(rows.sum())
 

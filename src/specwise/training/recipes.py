@@ -124,7 +124,7 @@ def train_draft(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
 
 
 EAGLE_DEFAULTS = {"lr": 8e-4, "batch_tokens": 4096, "draft_vocab_size": 16384, "minutes": 45.0, "ttt_steps": 3,
-                  "max_length": 1024}
+                  "max_length": 1024, "loss_on": "generated"}
 
 
 def train_eagle(target, corpus: Path, out: Path, args: argparse.Namespace, say: Callable[[str], None]) -> Path:
@@ -142,7 +142,7 @@ def train_eagle(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
     vocab, features_dir, feature_minutes = tap_features(target, corpus, layers, size, args, say)
     max_length = int(pick("max_length"))
     recipe_config = EagleRecipeConfig(batch_tokens=int(pick("batch_tokens")), max_length=max_length,
-                                      ttt_steps=int(pick("ttt_steps")))
+                                      ttt_steps=int(pick("ttt_steps")), loss_on=str(pick("loss_on")))
     recipe = EagleRecipe(corpus, vocab, layers, recipe_config, features_dir)
     say(f"training on {recipe.train_tokens} tokens ({len(recipe.train_examples)} sequences), "
         f"{len(recipe.validation_examples)} validation sequences, feature layers {list(layers)}")
