@@ -252,3 +252,12 @@ def test_dflash_recipe_learns_and_validates_on_a_tiny_corpus(tmp_path):
     validation = result.validation
     assert validation["num_draft_tokens"] == 3 and validation["mean_accepted_length"] >= 1.0
     assert len(validation["acceptance_by_position"]) == 3
+    # loss_on="generated" (the default): anchors (decoding's roots) only on tokens the target wrote
+    for group, blocks in recipe.batches(0, 0):
+        for (i, start, _), anchors in zip(group, blocks):
+            assert anchors and min(anchors) + start >= recipe.train_examples[i].prompt_length
+    every = DFlashRecipe(corpus, vocab, LAYERS, DFlashRecipeConfig(batch_tokens=64, validation_every=3, block_size=4,
+                                                                   loss_on="all"), features_dir=features)
+    assert len(every.windows) > len(recipe.windows)
+    assert any(min(a) + w[1] < every.train_examples[w[0]].prompt_length
+               for group, blocks in every.batches(0, 0) for w, a in zip(group, blocks))

@@ -225,7 +225,9 @@ def test_medusa_recipe_learns_calibrates_and_validates(tmp_path):
     from test_training import _records
 
     from specwise.training.corpus import CorpusConfig, build_corpus
-    from specwise.training.features import FeatureConfig, draft_vocabulary, extract_features, token_frequencies
+    from specwise.training.draft_recipe import is_validation
+    from specwise.training.features import (FeatureConfig, draft_vocabulary, extract_features, iter_labelled,
+                                            token_frequencies)
     from specwise.training.medusa_recipe import MedusaRecipe, MedusaRecipeConfig
     from specwise.training.trainer import TrainConfig, train
 
@@ -254,6 +256,22 @@ def test_medusa_recipe_learns_calibrates_and_validates(tmp_path):
     assert validation["mean_accepted_length"] >= 1.0
     ranks = recipe.calibration_ranks(heads)
     assert ranks.shape[1] == 3 and int(ranks.max()) < 4
+    # loss_on="generated" (the default) trains on positions whose next token the target wrote
+    every = MedusaRecipe(corpus, vocab, 2, 3, MedusaRecipeConfig(batch_tokens=32, validation_every=3, loss_on="all"),
+                         features_dir=features)
+    assert set(recipe.positions.tolist()) < set(every.positions.tolist())
+    starts = {}  # corpus row of each training sequence's first token, and its prompt length
+    row = 0
+    for seq in iter_labelled(corpus, vocab, (2,), features):
+        if not is_validation(seq.id, 3):
+            starts[row] = seq.prompt_length
+            row += seq.tokens.numel()
+    first = sorted(starts)
+    for position in recipe.positions.tolist():
+        begin = max(r for r in first if r <= position)
+        assert position - begin >= starts[begin] - 1
+    with pytest.raises(ConfigError, match="loss_on"):
+        MedusaRecipeConfig(loss_on="prompt")
 
 
 def test_tree_size_maximizes_expected_tokens_per_second():

@@ -145,6 +145,26 @@ def test_replayed_chain_acceptance_by_hand():
     assert stats.mean_accepted_length == pytest.approx(8 / 3)
 
 
+def test_draft_recipe_loss_on_generated_ignores_prompt_labels(corpus):
+    _, out, vocab = corpus
+    config = DraftRecipeConfig(batch_tokens=64, max_length=16, validation_every=4, loss_on="generated")
+    generated = DraftLMRecipe(out, vocab, config)
+    every = DraftLMRecipe(out, vocab, DraftRecipeConfig(batch_tokens=64, max_length=16, validation_every=4))
+    assert len(generated.windows) < len(every.windows)
+    assert all(generated.train_examples[i].tokens.numel() > generated.train_examples[i].prompt_length
+               and start + length >= generated.train_examples[i].prompt_length for i, start, length in generated.windows)
+    model = _model(corpus)
+    batch = [w for w in generated.windows if generated.train_examples[w[0]].prompt_length - w[1] > 2][:2]
+    assert batch
+    before = generated.loss(model, batch)[0]
+    for i, _, _ in batch:  # scramble the labels of tokens the prompt wrote
+        ex = generated.train_examples[i]
+        ex.top_probs[: ex.prompt_length - 1] = torch.rand_like(ex.top_probs[: ex.prompt_length - 1])
+    torch.testing.assert_close(generated.loss(model, batch)[0], before)
+    with pytest.raises(ConfigError, match="loss_on"):
+        DraftRecipeConfig(loss_on="prompt")
+
+
 # --------------------------------------------------------------------------------------- trainer
 
 

@@ -36,8 +36,10 @@ class DFlashRecipeConfig(DraftRecipeConfig):
     max_length: int = 1024  # longest training window
     block_size: int = 8  # B (must match the drafter's)
     decay_gamma: float = 4.0  # loss weight of block entry k is exp(-(k-1)/gamma) (ModelOpt's default for B = 8)
+    loss_on: str = "generated"  # "generated": anchors only on tokens the target wrote; see DraftRecipeConfig
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.block_size < 2 or self.decay_gamma <= 0:
             raise ConfigError("block_size must be >= 2 and decay_gamma > 0.")
 
@@ -60,16 +62,28 @@ class DFlashRecipe(DraftLMRecipe):
                  config: DFlashRecipeConfig = DFlashRecipeConfig(), features_dir=None) -> None:
         super().__init__(corpus_dir, vocab, config, hidden_layers, features_dir)
         self.config: DFlashRecipeConfig = config
-        self.windows = [w for w in self.windows if w[2] >= 3]  # an anchor needs context before it and a label after
+        # an anchor needs context before it and a label after it
+        self.windows = [w for w in self.windows if self._first_anchor(w) < w[2] - 1]
+        if not self.windows:
+            raise ConfigError(f"{corpus_dir} has no windows with room for a block.")
+
+    def _first_anchor(self, window: tuple[int, int, int]) -> int:
+        """The earliest anchor (window index) of a window: 1, or with ``loss_on="generated"`` the
+        first token the target wrote (anchors are roots, and decoding's roots are generated)."""
+        i, start, _ = window
+        if self.config.loss_on == "generated":
+            return max(1, self.train_examples[i].prompt_length - start)
+        return 1
 
     def batches(self, epoch: int, seed: int) -> list:
         rng = random.Random(seed * 7919 + epoch)
         out = []
         for group in super().batches(epoch, seed):
             blocks = []
-            for _, _, length in group:
-                valid = list(range(1, length - 1))  # context before the anchor, a label after it
-                count = min(len(valid), math.ceil(length / self.config.block_size))
+            for window in group:
+                first, length = self._first_anchor(window), window[2]
+                valid = list(range(first, length - 1))
+                count = min(len(valid), math.ceil((length - first + 1) / self.config.block_size))
                 blocks.append(sorted(rng.sample(valid, count)))
             out.append((group, blocks))
         return out

@@ -27,6 +27,9 @@ from specwise.training.features import iter_labelled
 from specwise.training.trainer import Recipe
 
 
+LOSS_ON = ("generated", "all")
+
+
 @dataclass(frozen=True)
 class DraftRecipeConfig:
     """Data settings of the draft-LM recipe."""
@@ -36,6 +39,13 @@ class DraftRecipeConfig:
     validation_every: int = 40  # one sequence in this many is held out for validation
     validation_sequences: int = 48  # at most this many greedy held-out sequences are replayed
     validation_draft_tokens: int = 5  # K of the replayed decoding
+    # positions with a loss: "all", or "generated": those whose predicted token the target wrote (prompts
+    # are then context only, and windows of prompt text alone are dropped)
+    loss_on: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.loss_on not in LOSS_ON:
+            raise ConfigError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}.")
 
 
 @dataclass(frozen=True)
@@ -86,9 +96,14 @@ class DraftLMRecipe(Recipe):
         self.windows = []  # (example index, start, length)
         for i, ex in enumerate(self.train_examples):
             n = ex.tokens.numel()
+            if config.loss_on == "generated" and n <= ex.prompt_length:
+                continue  # prompt text alone
             for start in range(0, n, config.max_length):
-                if n - start >= 2:
-                    self.windows.append((i, start, min(config.max_length, n - start)))
+                length = min(config.max_length, n - start)
+                if length >= 2 and (config.loss_on == "all" or start + length >= ex.prompt_length):
+                    self.windows.append((i, start, length))
+        if not self.windows:
+            raise ConfigError(f"{corpus_dir} has no training windows (loss_on={config.loss_on!r}).")
         self.validation_examples = [e for e in self.validation_examples if e.mode == "greedy"][: config.validation_sequences]
 
     @property
@@ -126,6 +141,8 @@ class DraftLMRecipe(Recipe):
             top_index[row, :length] = ex.top_index[start: start + length]
             top_probs[row, :length] = ex.top_probs[start: start + length]
             mask[row, :length] = 1
+            if self.config.loss_on == "generated":  # position t predicts the token at start + t + 1
+                mask[row, : max(0, ex.prompt_length - start - 1)] = 0
         logits = model(ids.to(device))  # shape: [B, T, Vd]
         log_q = torch.log_softmax(logits.float(), dim=-1)
         picked = log_q.gather(-1, top_index.to(device))  # shape: [B, T, k]

@@ -28,9 +28,6 @@ from specwise.training.acceptance import ChainAcceptance, replay_depths
 from specwise.training.draft_recipe import DraftLMRecipe, DraftRecipeConfig
 
 
-LOSS_ON = ("generated", "all")
-
-
 @dataclass(frozen=True)
 class EagleRecipeConfig(DraftRecipeConfig):
     """Data and loss settings of the EAGLE-3 recipe."""
@@ -38,13 +35,12 @@ class EagleRecipeConfig(DraftRecipeConfig):
     ttt_steps: int = 3  # draft steps unrolled in training (J)
     step_decay: float = 0.8  # loss weight of step j is step_decay ** j (EAGLE-3's reference value)
     validation_draft_tokens: int = 6  # chain depth of the replayed validation decoding
-    loss_on: str = "generated"  # "generated": predicted tokens the target wrote; "all": every position
+    loss_on: str = "generated"  # see DraftRecipeConfig
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.ttt_steps < 1 or not 0 < self.step_decay <= 1:
             raise ConfigError("ttt_steps must be >= 1 and step_decay in (0, 1].")
-        if self.loss_on not in LOSS_ON:
-            raise ConfigError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}.")
 
 
 class EagleRecipe(DraftLMRecipe):
@@ -65,15 +61,6 @@ class EagleRecipe(DraftLMRecipe):
                  config: EagleRecipeConfig = EagleRecipeConfig(), features_dir=None) -> None:
         super().__init__(corpus_dir, vocab, config, hidden_layers, features_dir)
         self.config: EagleRecipeConfig = config
-        if config.loss_on == "generated":
-            # a window is trained on when it predicts a generated token: index start + length or later
-            def generated(window) -> bool:
-                ex = self.train_examples[window[0]]
-                return ex.tokens.numel() > ex.prompt_length and window[1] + window[2] >= ex.prompt_length
-
-            self.windows = [w for w in self.windows if generated(w)]
-            if not self.windows:
-                raise ConfigError(f"{corpus_dir} has no target-written tokens to train on (loss_on='generated').")
 
     def _batch(self, batch, steps: int):
         """Pad a micro-batch: features ``[B, W, F*H]``, next ids / top-k / validity ``[B, W+J-1, ...]``

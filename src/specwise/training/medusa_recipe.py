@@ -24,7 +24,7 @@ from torch import nn
 
 from specwise.errors import ConfigError
 from specwise.training.acceptance import ChainAcceptance, replay_depths
-from specwise.training.draft_recipe import is_validation
+from specwise.training.draft_recipe import LOSS_ON, is_validation
 from specwise.training.features import iter_labelled
 from specwise.training.trainer import Recipe
 
@@ -39,10 +39,15 @@ class MedusaRecipeConfig:
     validation_sequences: int = 96  # at most this many greedy held-out sequences are evaluated
     calibration_sequences: int = 400  # greedy training sequences (held-in) that also calibrate the tree
     rank_limit: int = 10  # ranks per head considered for the tree (Medusa's TOPK)
+    # positions trained on: "generated", hidden states whose next token the target wrote (decoding's
+    # roots), or "all"
+    loss_on: str = "generated"
 
     def __post_init__(self) -> None:
         if self.batch_tokens < 1 or not 0 < self.head_decay <= 1 or self.rank_limit < 1:
             raise ConfigError("batch_tokens and rank_limit must be >= 1 and head_decay in (0, 1].")
+        if self.loss_on not in LOSS_ON:
+            raise ConfigError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}.")
 
 
 class MedusaRecipe(Recipe):
@@ -65,7 +70,7 @@ class MedusaRecipe(Recipe):
         self.config = config
         self.num_heads = num_heads
         self.vocab = vocab.clone().long()
-        hidden, top_index, top_probs, left = [], [], [], []
+        hidden, top_index, top_probs, left, generated = [], [], [], [], []
         self.validation_examples = []
         self.calibration_examples = []  # greedy training sequences
         for seq in iter_labelled(corpus_dir, vocab, (hidden_layer,), features_dir):
@@ -80,6 +85,7 @@ class MedusaRecipe(Recipe):
             top_index.append(seq.top_index.to(torch.int32))
             top_probs.append(seq.top_probs.to(torch.bfloat16))
             left.append(torch.arange(n - 1, -1, -1, dtype=torch.int32))  # positions after t in its sequence
+            generated.append(torch.arange(n) >= seq.prompt_length - 1)  # the next token is the target's
         if not hidden:
             raise ConfigError(f"{corpus_dir} has no training sequences.")
         self.hidden = torch.cat(hidden)  # shape: [N, H] bf16
@@ -87,7 +93,12 @@ class MedusaRecipe(Recipe):
         self.top_probs = torch.cat(top_probs)  # shape: [N, k] bf16
         self.left = torch.cat(left)  # shape: [N] int32
         # a head k example needs the target's distribution k positions later in the same sequence
-        self.positions = torch.nonzero(self.left >= 1).flatten()
+        usable = self.left >= 1
+        if config.loss_on == "generated":
+            usable &= torch.cat(generated)
+        self.positions = torch.nonzero(usable).flatten()
+        if not self.positions.numel():
+            raise ConfigError(f"{corpus_dir} has no training positions (loss_on={config.loss_on!r}).")
 
     @property
     def train_tokens(self) -> int:

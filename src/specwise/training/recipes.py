@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from specwise.checkpoint import DrafterCheckpoint, save_checkpoint, target_fingerprint
 from specwise.training.trainer import LOG_NAME, TrainConfig, config_dict, join_process_group, train
 
-DRAFT_DEFAULTS = {"lr": 5e-4, "batch_tokens": 4096, "draft_vocab_size": 32768, "init_layers": "0,-1", "minutes": 45.0,
+DRAFT_DEFAULTS = {"loss_on": "all", "lr": 5e-4, "batch_tokens": 4096, "draft_vocab_size": 32768, "init_layers": "0,-1", "minutes": 45.0,
                   "borrowed_layers": 0}
 
 
@@ -110,7 +110,7 @@ def train_draft(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
             extract_features(target, corpus, vocab, FeatureConfig(top_k=args.top_k), progress=say)
     vocab = load_file(str(corpus / "draft_vocab.safetensors"))["vocab"]
     feature_minutes = (time.perf_counter() - started) / 60
-    recipe_config = DraftRecipeConfig(batch_tokens=int(pick("batch_tokens")))
+    recipe_config = DraftRecipeConfig(batch_tokens=int(pick("batch_tokens")), loss_on=str(pick("loss_on")))
     recipe = DraftLMRecipe(corpus, vocab, recipe_config)
     say(f"training on {recipe.train_tokens} tokens ({len(recipe.train_examples)} sequences), "
         f"{len(recipe.validation_examples)} validation sequences")
@@ -154,7 +154,7 @@ def train_eagle(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
 
 
 MEDUSA_DEFAULTS = {"lr": 1e-3, "batch_tokens": 2048, "draft_vocab_size": 16384, "minutes": 30.0, "num_heads": 4,
-                   "medusa_layers": 1}
+                   "medusa_layers": 1, "loss_on": "generated"}
 
 
 def train_medusa(target, corpus: Path, out: Path, args: argparse.Namespace, say: Callable[[str], None]) -> Path:
@@ -173,7 +173,7 @@ def train_medusa(target, corpus: Path, out: Path, args: argparse.Namespace, say:
     layer = final_hidden_layer(target)
     vocab, features_dir, feature_minutes = tap_features(target, corpus, (layer,), size, args, say)
     num_heads = int(pick("num_heads"))
-    recipe_config = MedusaRecipeConfig(batch_tokens=int(pick("batch_tokens")))
+    recipe_config = MedusaRecipeConfig(batch_tokens=int(pick("batch_tokens")), loss_on=str(pick("loss_on")))
     recipe = MedusaRecipe(corpus, vocab, layer, num_heads, recipe_config, features_dir)
     say(f"training {num_heads} heads on {recipe.train_tokens} positions, "
         f"{len(recipe.validation_examples)} validation sequences")
@@ -189,7 +189,7 @@ def train_medusa(target, corpus: Path, out: Path, args: argparse.Namespace, say:
 
 
 DFLASH_DEFAULTS = {"lr": 8e-4, "batch_tokens": 2048, "draft_vocab_size": 16384, "minutes": 45.0, "block_size": 8,
-                   "dflash_layers": 2, "max_length": 1024}
+                   "dflash_layers": 2, "max_length": 1024, "loss_on": "generated"}
 
 
 def train_dflash(target, corpus: Path, out: Path, args: argparse.Namespace, say: Callable[[str], None]) -> Path:
@@ -207,7 +207,7 @@ def train_dflash(target, corpus: Path, out: Path, args: argparse.Namespace, say:
     vocab, features_dir, feature_minutes = tap_features(target, corpus, layers, size, args, say)
     block_size, max_length = int(pick("block_size")), int(pick("max_length"))
     recipe_config = DFlashRecipeConfig(batch_tokens=int(pick("batch_tokens")), max_length=max_length,
-                                       block_size=block_size)
+                                       block_size=block_size, loss_on=str(pick("loss_on")))
     recipe = DFlashRecipe(corpus, vocab, layers, recipe_config, features_dir)
     say(f"training on {recipe.train_tokens} tokens ({len(recipe.train_examples)} sequences), "
         f"{len(recipe.validation_examples)} validation sequences, feature layers {list(layers)}, block {block_size}")
