@@ -15,7 +15,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -158,6 +158,49 @@ def load_checkpoint(path: str | Path, target, method: str | None = None) -> Draf
     return DrafterCheckpoint(config["method"], config.get("architecture", {}), trained_for.get("name", ""),
                              trained_for.get("fingerprint", ""), tensors, config.get("recipe", {}),
                              config.get("metrics", {}))
+
+
+def load_vocabulary_module(path: str | Path, target, method: str, what: str, config_cls,
+                           build: Callable[[Any, torch.Tensor], torch.nn.Module], *,
+                           tuple_fields: tuple[str, ...] = (), extras: tuple[str, ...] = ()):
+    """Load a drafter module that maps to the target through a draft vocabulary (EAGLE, Medusa, DFlash).
+
+    Args:
+        path: the drafter directory.
+        target: the :class:`specwise.target.Target` it will run on.
+        method: the method the checkpoint must hold.
+        what: how errors name the module, e.g. ``"the EAGLE head"``.
+        config_cls: the architecture dataclass, built from the checkpoint's ``architecture``.
+        build: ``(config, draft vocabulary [Vd] long) -> module`` with the target's borrowed weights.
+        tuple_fields: architecture fields stored as JSON lists that the config wants as tuples.
+        extras: architecture entries that are not config fields (tuned defaults), returned apart.
+
+    Returns:
+        ``(module, extras)``: the module in the target's dtype and on its device, eval mode, frozen;
+        and ``{name: value or None}`` for each of ``extras``.
+
+    Raises:
+        DrafterError: another method or target, an unknown architecture, no draft vocabulary, or
+            weights that do not fit.
+    """
+    ckpt = load_checkpoint(path, target, method=method)
+    arch = dict(ckpt.architecture)
+    found = {name: arch.pop(name, None) for name in extras}
+    for name in tuple_fields:
+        arch[name] = tuple(arch.get(name, ()))
+    try:
+        config = config_cls(**arch)
+    except TypeError as exc:
+        raise DrafterError(f"{what} in {path} has an unknown architecture ({exc}).") from None
+    if "draft_vocab" not in ckpt.tensors:
+        raise DrafterError(f"{what} in {path} has no draft vocabulary table.")
+    module = build(config, ckpt.tensors["draft_vocab"].long())
+    weights = {k: v for k, v in ckpt.tensors.items() if k != "draft_vocab"}
+    missing, unexpected = module.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise DrafterError(f"the weights in {path} do not fit {what} (missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}).")
+    return module.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False), found
 
 
 def load_drafter(path: str | Path, target, **options):

@@ -59,26 +59,13 @@ def load_dflash(path, target) -> DFlashModel:
     Raises:
         DrafterError: not a DFlash checkpoint, trained for another target, or weights that do not fit.
     """
-    from specwise.checkpoint import load_checkpoint
+    from specwise.checkpoint import load_vocabulary_module
 
-    ckpt = load_checkpoint(path, target, method="dflash")
-    arch = dict(ckpt.architecture)
-    arch["feature_layers"] = tuple(arch.get("feature_layers", ()))
-    default_draft_tokens = arch.pop("default_draft_tokens", None)
-    try:
-        config = DFlashConfig(**arch)
-    except TypeError as exc:
-        raise DrafterError(f"the DFlash drafter in {path} has an unknown architecture ({exc}).") from None
-    if "draft_vocab" not in ckpt.tensors:
-        raise DrafterError(f"the DFlash drafter in {path} has no draft vocabulary table.")
-    model = DFlashModel(target, config, ckpt.tensors["draft_vocab"].long(), initialize=False)
-    weights = {k: v for k, v in ckpt.tensors.items() if k != "draft_vocab"}
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise DrafterError(f"the weights in {path} do not fit the DFlash drafter (missing {missing[:3]}, "
-                           f"unexpected {unexpected[:3]}).")
-    model.default_draft_tokens = default_draft_tokens
-    return model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    model, found = load_vocabulary_module(path, target, "dflash", "the DFlash drafter", DFlashConfig,
+                                          lambda config, vocab: DFlashModel(target, config, vocab, initialize=False),
+                                          tuple_fields=("feature_layers",), extras=("default_draft_tokens",))
+    model.default_draft_tokens = found["default_draft_tokens"]
+    return model
 
 
 @register_drafter("dflash", DFlashDrafterConfig, "DFlash block-diffusion drafter: a whole block in one forward")

@@ -62,24 +62,12 @@ def load_eagle_head(path, target) -> EagleHead:
     Raises:
         DrafterError: not an EAGLE checkpoint, trained for another target, or weights that do not fit.
     """
-    from specwise.checkpoint import load_checkpoint
+    from specwise.checkpoint import load_vocabulary_module
 
-    ckpt = load_checkpoint(path, target, method="eagle")
-    arch = dict(ckpt.architecture)
-    arch["feature_layers"] = tuple(arch.get("feature_layers", ()))
-    try:
-        config = EagleConfig(**arch)
-    except TypeError as exc:
-        raise DrafterError(f"the EAGLE head in {path} has an unknown architecture ({exc}).") from None
-    if "draft_vocab" not in ckpt.tensors:
-        raise DrafterError(f"the EAGLE head in {path} has no draft vocabulary table.")
-    head = EagleHead(target, config, ckpt.tensors["draft_vocab"].long(), initialize=False)
-    weights = {k: v for k, v in ckpt.tensors.items() if k != "draft_vocab"}
-    missing, unexpected = head.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise DrafterError(f"the weights in {path} do not fit the EAGLE head (missing {missing[:3]}, "
-                           f"unexpected {unexpected[:3]}).")
-    return head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    head, _ = load_vocabulary_module(path, target, "eagle", "the EAGLE head", EagleConfig,
+                                     lambda config, vocab: EagleHead(target, config, vocab, initialize=False),
+                                     tuple_fields=("feature_layers",))
+    return head
 
 
 @register_drafter("eagle", EagleDrafterConfig, "EAGLE-3 head on the target's features, EAGLE-2 dynamic draft tree")

@@ -82,25 +82,12 @@ def load_medusa_heads(path, target) -> tuple[MedusaHeads, MedusaTree]:
     Raises:
         DrafterError: not a Medusa checkpoint, trained for another target, or weights that do not fit.
     """
-    from specwise.checkpoint import load_checkpoint
+    from specwise.checkpoint import load_vocabulary_module
 
-    ckpt = load_checkpoint(path, target, method="medusa")
-    arch = dict(ckpt.architecture)
-    tree_data = arch.pop("tree", None)
-    try:
-        config = MedusaConfig(**arch)
-    except TypeError as exc:
-        raise DrafterError(f"the Medusa heads in {path} have an unknown architecture ({exc}).") from None
-    if "draft_vocab" not in ckpt.tensors:
-        raise DrafterError(f"the Medusa heads in {path} have no draft vocabulary table.")
-    heads = MedusaHeads(target, config, ckpt.tensors["draft_vocab"].long())
-    weights = {k: v for k, v in ckpt.tensors.items() if k != "draft_vocab"}
-    missing, unexpected = heads.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise DrafterError(f"the weights in {path} do not fit the Medusa heads (missing {missing[:3]}, "
-                           f"unexpected {unexpected[:3]}).")
-    tree = MedusaTree.from_dict(tree_data) if tree_data else chain_tree(config.num_heads)
-    return heads.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False), tree
+    heads, found = load_vocabulary_module(path, target, "medusa", "the Medusa heads", MedusaConfig,
+                                          lambda config, vocab: MedusaHeads(target, config, vocab), extras=("tree",))
+    tree = MedusaTree.from_dict(found["tree"]) if found["tree"] else chain_tree(heads.config.num_heads)
+    return heads, tree
 
 
 @register_drafter("medusa", MedusaDrafterConfig, "Medusa heads on the target's last hidden state, static draft tree")
