@@ -49,7 +49,8 @@ class MedusaDrafterConfig(MethodConfig):
         if self.acceptance not in ACCEPTANCE_RULES:
             raise ConfigError(f"acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}.")
         if not 0 < self.posterior_threshold <= 1 or not self.posterior_alpha > 0:
-            raise ConfigError("posterior_threshold must be in (0, 1] and posterior_alpha > 0.")
+            raise ConfigError(f"posterior_threshold must be in (0, 1] and posterior_alpha > 0, got "
+                              f"{self.posterior_threshold!r} and {self.posterior_alpha!r}.")
 
 
 @dataclass(frozen=True)
