@@ -239,8 +239,8 @@ def test_dflash_recipe_learns_and_validates_on_a_tiny_corpus(tmp_path):
     vocab = draft_vocabulary(token_frequencies(corpus, 128), VOCAB_D, always=(1,))
     features = extract_features(target, corpus, vocab, FeatureConfig(top_k=4, hidden_layers=LAYERS, batch_tokens=64),
                                 features_dir=corpus / "features-taps")
-    recipe = DFlashRecipe(corpus, vocab, LAYERS, DFlashRecipeConfig(batch_tokens=64, validation_every=3, block_size=4),
-                          features_dir=features)
+    recipe = DFlashRecipe(corpus, vocab, LAYERS, DFlashRecipeConfig(batch_tokens=64, validation_every=3, block_size=4,
+                                                                    loss_on="generated"), features_dir=features)
     assert recipe.batches(0, 0) == recipe.batches(0, 0) and recipe.batches(0, 0) != recipe.batches(1, 0)
     model = DFlashModel(target, DFlashConfig(feature_layers=LAYERS, draft_vocab_size=VOCAB_D, block_size=4,
                                                num_layers=1, num_heads=2, head_dim=16, intermediate_size=64),
@@ -252,7 +252,7 @@ def test_dflash_recipe_learns_and_validates_on_a_tiny_corpus(tmp_path):
     validation = result.validation
     assert validation["num_draft_tokens"] == 3 and validation["mean_accepted_length"] >= 1.0
     assert len(validation["acceptance_by_position"]) == 3
-    # loss_on="generated" (the default): anchors (decoding's roots) only on tokens the target wrote
+    # loss_on="generated": anchors (decoding's roots) only on tokens the target wrote
     for group, blocks in recipe.batches(0, 0):
         for (i, start, _), anchors in zip(group, blocks):
             assert anchors and min(anchors) + start >= recipe.train_examples[i].prompt_length

@@ -189,7 +189,7 @@ def train_medusa(target, corpus: Path, out: Path, args: argparse.Namespace, say:
 
 
 DFLASH_DEFAULTS = {"lr": 8e-4, "batch_tokens": 2048, "draft_vocab_size": 16384, "minutes": 45.0, "block_size": 8,
-                   "dflash_layers": 2, "max_length": 1024, "loss_on": "generated"}
+                   "dflash_layers": 2, "max_length": 1024, "loss_on": "all"}
 
 
 def train_dflash(target, corpus: Path, out: Path, args: argparse.Namespace, say: Callable[[str], None]) -> Path:
