@@ -68,6 +68,7 @@ class Target:
         """HF ``hidden_states`` index of the final hidden state (after the final norm): the layer count L."""
         return int(self.model.config.get_text_config().num_hidden_layers)
 
+    @torch.inference_mode()
     def logits_from_final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on final hidden states: what the model's forward returns as logits.
 
