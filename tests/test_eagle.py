@@ -351,8 +351,9 @@ def check_loss_on_generated(corpus, vocab, features, head) -> None:
     from specwise.training.eagle_recipe import EagleRecipe, EagleRecipeConfig
 
     config = EagleRecipeConfig(batch_tokens=64, validation_every=3, ttt_steps=2)
-    generated = EagleRecipe(corpus, vocab, LAYERS, config, features_dir=features)
-    every = EagleRecipe(corpus, vocab, LAYERS, replace(config, loss_on="all"), features_dir=features)
+    assert config.loss_on == "all"
+    generated = EagleRecipe(corpus, vocab, LAYERS, replace(config, loss_on="generated"), features_dir=features)
+    every = EagleRecipe(corpus, vocab, LAYERS, config, features_dir=features)
     assert any(e.tokens.numel() == e.prompt_length for e in every.train_examples)  # text-only prompts exist
     assert {generated.train_examples[i].prompt_length < generated.train_examples[i].tokens.numel()
             for i, _, _ in generated.windows} == {True}

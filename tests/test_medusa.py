@@ -256,9 +256,11 @@ def test_medusa_recipe_learns_calibrates_and_validates(tmp_path):
     assert validation["mean_accepted_length"] >= 1.0
     ranks = recipe.calibration_ranks(heads)
     assert ranks.shape[1] == 3 and int(ranks.max()) < 4
-    # loss_on="generated" (the default) trains on positions whose next token the target wrote
-    every = MedusaRecipe(corpus, vocab, 2, 3, MedusaRecipeConfig(batch_tokens=32, validation_every=3, loss_on="all"),
-                         features_dir=features)
+    # loss_on="generated" trains on positions whose next token the target wrote
+    assert recipe.config.loss_on == "all"
+    every, recipe = recipe, MedusaRecipe(corpus, vocab, 2, 3, MedusaRecipeConfig(batch_tokens=32, validation_every=3,
+                                                                                  loss_on="generated"),
+                                         features_dir=features)
     assert set(recipe.positions.tolist()) < set(every.positions.tolist())
     starts = {}  # corpus row of each training sequence's first token, and its prompt length
     row = 0

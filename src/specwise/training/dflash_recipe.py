@@ -36,7 +36,7 @@ class DFlashRecipeConfig(DraftRecipeConfig):
     max_length: int = 1024  # longest training window
     block_size: int = 8  # B (must match the drafter's)
     decay_gamma: float = 4.0  # loss weight of block entry k is exp(-(k-1)/gamma) (ModelOpt's default for B = 8)
-    loss_on: str = "all"  # "generated": anchors only on tokens the target wrote; see DraftRecipeConfig
+    loss_on: str = "all"  # or "generated": anchors only on tokens the target wrote (see DraftRecipeConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()

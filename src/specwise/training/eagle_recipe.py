@@ -5,11 +5,12 @@ draft vocabulary and the hidden states of the head's feature layers
 (:mod:`specwise.training.features`). Loss: the EAGLE-3 training-time test (Li et al. 2025,
 ALGORITHMS.md §4.3): the head is unrolled ``ttt_steps`` draft steps over every window, step j
 reading its own step-(j-1) outputs, and step j's soft cross-entropy against the target's
-renormalized top-k distribution is weighted ``step_decay ** j``. By default the loss covers only
-positions whose predicted token the target wrote (``loss_on="generated"``: the continuations, not
-the human prompts; EAGLE's reference trains on assistant turns only): prompt tokens are still read
-as context, but the output layer, two thirds of the head's cost, skips them, and windows of prompt
-text alone are not trained on.
+renormalized top-k distribution is weighted ``step_decay ** j``. With ``loss_on="generated"`` the
+loss covers only positions whose predicted token the target wrote (the continuations, not the human
+prompts; EAGLE's reference trains on assistant turns only): prompt tokens are still read as context,
+but the output layer, two thirds of the head's cost, skips them, and windows of prompt text alone
+are not trained on. On the shipped head's corpus and time budget it reached the same held-out τ as
+``"all"`` (1.89 against 1.86), so ``"all"`` stays the default.
 
 Validation replays greedy chain decoding on held-out target-written text: with the unroll teacher
 forced, draft j at root r equals what decoding would have drafted whenever drafts 0..j-1 were
@@ -35,7 +36,7 @@ class EagleRecipeConfig(DraftRecipeConfig):
     ttt_steps: int = 3  # draft steps unrolled in training (J)
     step_decay: float = 0.8  # loss weight of step j is step_decay ** j (EAGLE-3's reference value)
     validation_draft_tokens: int = 6  # chain depth of the replayed validation decoding
-    loss_on: str = "generated"  # see DraftRecipeConfig
+    loss_on: str = "all"  # see DraftRecipeConfig; "generated" measured no better (module docstring)
 
     def __post_init__(self) -> None:
         super().__post_init__()

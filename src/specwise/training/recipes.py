@@ -124,7 +124,7 @@ def train_draft(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
 
 
 EAGLE_DEFAULTS = {"lr": 8e-4, "batch_tokens": 4096, "draft_vocab_size": 16384, "minutes": 45.0, "ttt_steps": 3,
-                  "max_length": 1024, "loss_on": "generated"}
+                  "max_length": 1024, "loss_on": "all"}
 
 
 def train_eagle(target, corpus: Path, out: Path, args: argparse.Namespace, say: Callable[[str], None]) -> Path:
@@ -154,7 +154,7 @@ def train_eagle(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
 
 
 MEDUSA_DEFAULTS = {"lr": 1e-3, "batch_tokens": 2048, "draft_vocab_size": 16384, "minutes": 30.0, "num_heads": 4,
-                   "medusa_layers": 1, "loss_on": "generated"}
+                   "medusa_layers": 1, "loss_on": "all"}
 
 
 def train_medusa(target, corpus: Path, out: Path, args: argparse.Namespace, say: Callable[[str], None]) -> Path:
