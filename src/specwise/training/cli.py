@@ -82,8 +82,8 @@ def add_train_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--ttt-steps", type=int, default=None, help="eagle: draft steps unrolled in training (default 3)")
     p.add_argument("--max-length", type=int, default=None, help="eagle, dflash: longest training window (default 1024)")
     p.add_argument("--loss-on", choices=("generated", "all"), default=None,
-                   help="positions with a loss: those predicting tokens the target wrote ('generated', the default "
-                        "of eagle, medusa, dflash) or every position ('all', the draft LM's default)")
+                   help="positions with a loss: every position ('all', the default) or those predicting tokens the "
+                        "target wrote ('generated')")
     p.add_argument("--num-heads", type=int, default=None, help="medusa: heads trained (default 4)")
     p.add_argument("--medusa-layers", type=int, default=None, help="medusa: residual blocks per head (default 1)")
     p.add_argument("--block-size", type=int, default=None, help="dflash: tokens per block, anchor included (default 8)")
