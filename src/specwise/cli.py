@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text with one method")
     _add_generate_args(gen)
     gen.set_defaults(func=cmd_generate)
-    demo = sub.add_parser("demo", help="compare ar and pld on the default target with a few built-in prompts")
+    demo = sub.add_parser("demo", help="run ar, pld, lookahead, draft, eagle, medusa and dflash on the default target with a few "
+                               "built-in prompts, side by side")
     demo.add_argument("--target", default=DEFAULT_TARGET)
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--device", default=None)
