@@ -84,7 +84,7 @@ def verify_tree(
     rows = logits if isinstance(logits, TreeLogits) else TreeLogits.complete(logits)
     seen = None
     if sampling.uses_history:
-        vocab = rows.rows([0]).shape[-1]
+        vocab = rows.vocab_size
         seen = prefix_token_masks(context_ids, context_ids[:0], vocab).expand(tree.size, vocab).clone()
         on_path = tree.ancestors.clone()
         on_path[:, 0] = False  # the root is already in the context

@@ -55,6 +55,11 @@ class TreeLogits:
         return cls(list(range(logits.shape[0])), logits, None, None)
 
     @property
+    def vocab_size(self) -> int:
+        """V, the width of a row."""
+        return int(self._logits.shape[-1])
+
+    @property
     def num_computed(self) -> int:
         """Rows whose logits exist (computed by the forward or since)."""
         return len(self._row_of)
