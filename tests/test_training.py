@@ -429,10 +429,12 @@ def test_cli_builds_trains_and_generates_end_to_end(tmp_path):
                 "--new-tokens", "8", "--batch-size", "4")
     assert built.returncode == 0, built.stderr
     trained = run("train", "draft", *common, "--data", str(tmp_path / "corpus"), "--out", str(tmp_path / "draft"),
-                  "--steps", "3", "--draft-vocab-size", "64", "--init-layers", "0", "--batch-tokens", "64", "--top-k", "4")
+                  "--steps", "3", "--draft-vocab-size", "64", "--init-layers", "0", "--batch-tokens", "64", "--top-k", "4",
+                  "--precision", "fp32")
     assert trained.returncode == 0, trained.stderr
     config = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert config["method"] == "draft" and config["recipe"]["steps"] == 3
+    assert config["recipe"]["optimizer"]["bf16"] is False and "training in fp32" in trained.stderr
     assert (tmp_path / "draft" / "training_curve.png").stat().st_size > 0
     generated = run("generate", *common, "--method", "draft", "--drafter", str(tmp_path / "draft"), "--json",
                     "--max-new-tokens", "6", "t5 t9 t11")
@@ -449,8 +451,10 @@ def test_cli_builds_trains_and_generates_end_to_end(tmp_path):
     assert generated.returncode == 0, generated.stderr
     assert json.loads(generated.stdout)["token_ids"] == reference_greedy(target.model.float(), ids.cpu(), 6)
     medusa = run("train", "medusa", *common, "--data", str(tmp_path / "corpus"), "--out", str(tmp_path / "medusa"),
-                 "--steps", "3", "--draft-vocab-size", "64", "--batch-tokens", "64", "--top-k", "4", "--num-heads", "2")
+                 "--steps", "3", "--draft-vocab-size", "64", "--batch-tokens", "64", "--top-k", "4", "--num-heads", "2",
+                 "--precision", "bf16")
     assert medusa.returncode == 0, medusa.stderr
+    assert json.loads((tmp_path / "medusa" / "config.json").read_text())["recipe"]["optimizer"]["bf16"] is True
     architecture = json.loads((tmp_path / "medusa" / "config.json").read_text())["architecture"]
     assert architecture["num_heads"] == 2 and architecture["tree"]["default_nodes"] >= 1
     assert (tmp_path / "corpus" / "features-taps-2").is_dir()

@@ -47,6 +47,7 @@ def cmd_data_build(args: argparse.Namespace) -> int:
     from specwise.prompts import load_prompts
     from specwise.target import load_target
     from specwise.training.corpus import CorpusConfig, build_corpus
+    from specwise.training.precision import keep_freed_memory
 
     config = CorpusConfig(
         new_tokens=args.new_tokens, batch_size=args.batch_size, sampled_fraction=args.sampled_fraction,
@@ -54,6 +55,7 @@ def cmd_data_build(args: argparse.Namespace) -> int:
         continued_prompts=args.continued_prompts, text_only_prompts=args.text_only_prompts, seed=args.seed,
     )
     records = load_prompts(_expand(args.data))
+    keep_freed_memory()
     target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_say)
     out = build_corpus(target, records, args.out, config, minutes=args.minutes, progress=_say)
     _say(f"corpus in {out}")
@@ -91,6 +93,9 @@ def add_train_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--top-k", type=int, default=8, help="target log-probs kept per position")
     p.add_argument("--validate-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="matmul precision of the drafter's training: bf16 autocast, fp32, or auto (whichever runs "
+                        "a training-sized matmul faster here; fp32 on CPUs without fast bf16 units)")
     p.add_argument("--dtype", default="bfloat16", help="dtype the target runs in")
     p.add_argument("--device", default=None)
     p.set_defaults(func=cmd_train)
@@ -99,10 +104,12 @@ def add_train_args(p: argparse.ArgumentParser, default_target: str) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from specwise.errors import ConfigError
     from specwise.target import load_target
+    from specwise.training.precision import keep_freed_memory
     from specwise.training.recipes import RECIPES
 
     if args.method not in RECIPES:
         raise ConfigError(f"no training recipe for {args.method!r}; available: {', '.join(RECIPES)}.")
+    keep_freed_memory()  # this process trains: reuse big freed blocks instead of page-faulting new ones
     target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_say)
     corpus = _corpus_from(args, target)
     out = RECIPES[args.method](target, corpus, Path(args.out), args, _say)

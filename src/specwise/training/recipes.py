@@ -226,9 +226,13 @@ def _train_and_save(method: str, description: str, model, recipe, recipe_config,
     """Train ``model`` on ``recipe`` (``--steps``, else ``minutes``), then on rank 0 write the checkpoint
     (own weights + draft vocabulary, the recipe record, the last validation) and the training curve.
     ``extra_architecture(model)`` adds entries computed from the trained model (Medusa's tree)."""
+    from specwise.training.precision import choose_precision
+
     steps = getattr(args, "steps", None)
+    precision = choose_precision(getattr(args, "precision", None) or "auto", target.device)
+    say(f"training in {precision} (--precision {getattr(args, 'precision', None) or 'auto'})")
     config = TrainConfig(steps=steps, minutes=None if steps else minutes, lr=lr, grad_accum=args.grad_accum,
-                         seed=args.seed, validate_every=args.validate_every)
+                         seed=args.seed, validate_every=args.validate_every, bf16=precision == "bf16")
     result = train(model, recipe, config, out / "trainer")
     if not is_main_process():
         return

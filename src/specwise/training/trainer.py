@@ -1,4 +1,4 @@
-"""One trainer for every drafter recipe: AdamW, warmup + cosine, bf16 autocast, gradient accumulation,
+"""One trainer for every drafter recipe: AdamW, warmup + cosine, bf16 autocast (or fp32), gradient accumulation,
 resumable checkpoints, periodic validation, and torch DDP when launched with several processes.
 
 A recipe (:class:`Recipe`) owns the data and the loss; the trainer owns the optimization loop.
@@ -47,7 +47,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_accum: int = 1  # micro-batches per optimizer step (per process)
     grad_clip: float = 1.0  # max global grad norm; 0 = off
-    bf16: bool = True  # bf16 autocast (CPU and CUDA)
+    bf16: bool = True  # bf16 autocast (CPU and CUDA); False = fp32 (precision.py measures which is faster)
     seed: int = 0
     checkpoint_every: int = 50  # steps between resumable checkpoints
     validate_every: int = 0  # steps between validations; 0 = only at the end
