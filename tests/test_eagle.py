@@ -381,3 +381,26 @@ def test_unroll_on_selected_rows_equals_the_full_rows():
     chosen = head.unroll(features, next_ids, 2, select)
     for j in range(2):
         torch.testing.assert_close(chosen[j], full[j][select[j]], rtol=0, atol=1e-10)
+
+
+def test_warm_start_loads_a_trained_head_and_refuses_what_does_not_fit(tmp_path):
+    from specwise.training.recipes import warm_start
+
+    target = make_target("llama")
+    trained = make_head(target)
+    path = _save(target, trained, tmp_path / "eagle")
+    fresh = make_head(target, seed=1, vocab=trained.vocab)
+    warm_start(fresh, path, "eagle", trained.vocab, target)
+    rounded = {k: v.to(torch.bfloat16).to(v.dtype) for k, v in trained.state_dict().items()}
+    for name, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, rounded[name], rtol=0, atol=0)
+    with pytest.raises(DrafterError, match="holds a 'eagle' drafter, not a 'dflash' one"):
+        warm_start(fresh, path, "dflash", trained.vocab, target)
+    wider = EagleHead(target, replace(trained.config, intermediate_size=trained.config.intermediate_size * 2),
+                      trained.vocab)
+    with pytest.raises(DrafterError, match="architecture differs in intermediate_size"):
+        warm_start(wider, path, "eagle", trained.vocab, target)
+    with pytest.raises(DrafterError, match="draft vocabulary differs"):
+        warm_start(fresh, path, "eagle", trained.vocab.flip(0), target)
+    with pytest.raises(DrafterError, match="trained for target"):
+        warm_start(fresh, path, "eagle", trained.vocab, make_target("gemma3"))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 import specwise
 from conftest import make_target, random_prompt, reference_greedy
@@ -446,6 +447,14 @@ def test_cli_builds_trains_and_generates_end_to_end(tmp_path):
     assert eagle.returncode == 0, eagle.stderr
     assert json.loads((tmp_path / "eagle" / "config.json").read_text())["architecture"]["feature_layers"] == [0, 1, 2]
     assert (tmp_path / "corpus" / "features-taps-0-1-2").is_dir()  # beside the draft recipe's features
+    continued = run("train", "eagle", *common, "--data", str(tmp_path / "corpus"), "--out", str(tmp_path / "eagle2"),
+                    "--steps", "1", "--lr", "1e-12", "--draft-vocab-size", "64", "--batch-tokens", "64", "--top-k", "4",
+                    "--ttt-steps", "2", "--init-from", str(tmp_path / "eagle"))
+    assert continued.returncode == 0, continued.stderr
+    before, after = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("eagle", "eagle2"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)  # lr ~ 0
+    record = json.loads((tmp_path / "eagle2" / "config.json").read_text())["recipe"]
+    assert record["init_from"]["path"] == str(tmp_path / "eagle") and record["init_from"]["recipe"]["steps"] == 3
     generated = run("generate", *common, "--method", "eagle", "--drafter", str(tmp_path / "eagle"), "--json",
                     "--max-new-tokens", "6", "t5 t9 t11")
     assert generated.returncode == 0, generated.stderr
@@ -475,6 +484,9 @@ def test_cli_builds_trains_and_generates_end_to_end(tmp_path):
     exported = run("export-hf", str(tmp_path / "draft"), *common[:2], "--out", str(tmp_path / "hf"))
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "hf" / "config.json").exists()
+    wrong = run("train", "dflash", *common, "--data", str(tmp_path / "corpus"), "--out", str(tmp_path / "x"),
+                "--steps", "1", "--draft-vocab-size", "64", "--init-from", str(tmp_path / "eagle"))
+    assert wrong.returncode == 2 and "holds a 'eagle' drafter, not a 'dflash' one" in wrong.stderr
     bad = run("train", "nonsense", *common, "--data", str(tmp_path / "corpus"), "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "no training recipe" in bad.stderr
 

@@ -93,6 +93,9 @@ def add_train_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--top-k", type=int, default=8, help="target log-probs kept per position")
     p.add_argument("--validate-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from the weights of this trained drafter (same method, architecture and corpus "
+                        "vocabulary); the optimizer and schedule start afresh")
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="matmul precision of the drafter's training: bf16 autocast, fp32, or auto (whichever runs "
                         "a training-sized matmul faster here; fp32 on CPUs without fast bf16 units)")
@@ -109,6 +112,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.method not in RECIPES:
         raise ConfigError(f"no training recipe for {args.method!r}; available: {', '.join(RECIPES)}.")
+    if args.init_from:  # fail before any features pass; the weights are checked in full later
+        from specwise.checkpoint import read_config
+        from specwise.errors import DrafterError
+
+        found = read_config(args.init_from).get("method")
+        if found != args.method:
+            raise DrafterError(f"--init-from {args.init_from} holds a {found!r} drafter, not a {args.method!r} one.")
     keep_freed_memory()  # this process trains: reuse big freed blocks instead of page-faulting new ones
     target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_say)
     corpus = _corpus_from(args, target)

@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file
 
-from specwise.checkpoint import DrafterCheckpoint, save_checkpoint, target_fingerprint
-from specwise.training.trainer import LOG_NAME, TrainConfig, config_dict, join_process_group, train
+from specwise.checkpoint import DrafterCheckpoint, load_checkpoint, read_config, save_checkpoint, target_fingerprint
+from specwise.training.trainer import LOG_NAME, STATE_NAME, TrainConfig, config_dict, join_process_group, train
 
 DRAFT_DEFAULTS = {"loss_on": "all", "lr": 5e-4, "batch_tokens": 4096, "draft_vocab_size": 32768, "init_layers": "0,-1", "minutes": 45.0,
                   "borrowed_layers": 0}
@@ -219,6 +219,47 @@ def train_dflash(target, corpus: Path, out: Path, args: argparse.Namespace, say:
     return out
 
 
+# architecture entries that only say how a drafter was initialized, not what it computes
+_INIT_ONLY = frozenset({"init_layers"})
+
+
+def warm_start(model: torch.nn.Module, path: str | Path, method: str, vocab: torch.Tensor, target) -> None:
+    """Load a trained drafter's weights into ``model`` before training (continued training).
+
+    The optimizer, schedule and data order start afresh; the checkpoint's recipe is recorded as
+    ``init_from`` in the new one.
+
+    Args:
+        model: the freshly built drafter (same architecture).
+        path: a drafter directory of the same method, trained for ``target``.
+        vocab: ``[Vd]`` the draft vocabulary of this run's features; the checkpoint's must equal it
+            (the features' top-k index it).
+
+    Raises:
+        DrafterError: another method or target, another architecture or draft vocabulary, or
+            weights that do not fit.
+    """
+    from specwise.errors import DrafterError
+
+    ckpt = load_checkpoint(path, target, method=method)
+    mine = {k: v for k, v in model.architecture().items() if k not in _INIT_ONLY}
+    theirs = {k: ckpt.architecture.get(k) for k in mine}
+    if theirs != json.loads(json.dumps(mine)):
+        changed = sorted(k for k in mine if json.loads(json.dumps(mine[k])) != theirs[k])
+        raise DrafterError(f"cannot start from {path}: its architecture differs in {', '.join(changed)} "
+                           f"({', '.join(f'{k}={theirs[k]!r}, here {mine[k]!r}' for k in changed[:3])}).")
+    stored = ckpt.tensors.get("draft_vocab")
+    if stored is None or not torch.equal(stored.long(), vocab.long().cpu()):
+        raise DrafterError(f"cannot start from {path}: its draft vocabulary differs from this corpus's "
+                           f"features (train on the corpus it was trained on, or from scratch).")
+    weights = {k: v for k, v in ckpt.tensors.items() if k != "draft_vocab"}
+    own = model.trainable_state_dict()
+    if set(weights) != set(own):
+        raise DrafterError(f"the weights in {path} do not fit this {method} drafter "
+                           f"(missing {sorted(set(own) - set(weights))[:3]}, unexpected {sorted(set(weights) - set(own))[:3]}).")
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in weights.items()}, strict=False)
+
+
 def _train_and_save(method: str, description: str, model, recipe, recipe_config, vocab: torch.Tensor, target,
                     corpus: Path, out: Path, args: argparse.Namespace, lr: float, minutes: float,
                     feature_minutes: float, say: Callable[[str], None],
@@ -228,6 +269,10 @@ def _train_and_save(method: str, description: str, model, recipe, recipe_config,
     ``extra_architecture(model)`` adds entries computed from the trained model (Medusa's tree)."""
     from specwise.training.precision import choose_precision
 
+    init_from = getattr(args, "init_from", None)
+    if init_from and not (out / "trainer" / STATE_NAME).exists():  # a resumed run has its own weights
+        warm_start(model, init_from, method, vocab, target)
+        say(f"starting from the weights of {init_from}")
     steps = getattr(args, "steps", None)
     precision = choose_precision(getattr(args, "precision", None) or "auto", target.device)
     say(f"training in {precision} (--precision {getattr(args, 'precision', None) or 'auto'})")
@@ -244,6 +289,8 @@ def _train_and_save(method: str, description: str, model, recipe, recipe_config,
         "top_k": args.top_k, "data": dataclasses.asdict(recipe_config),
         "optimizer": config_dict(config), "log": f"trainer/{LOG_NAME}",
     }
+    if init_from:
+        record["init_from"] = {"path": str(init_from), "recipe": read_config(init_from).get("recipe", {})}
     tensors = {**model.trainable_state_dict(), "draft_vocab": vocab.to(torch.int32)}
     architecture = {**model.architecture(), **(extra_architecture(model) if extra_architecture else {})}
     checkpoint = DrafterCheckpoint(method, architecture, target.name, target_fingerprint(target),
