@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from conftest import reference_scores
 from specwise.loop import verify_chain
-from specwise.sampling import SamplingConfig, prefix_token_masks, probs_from_scores, process_logits
+from specwise.sampling import SamplingConfig, nucleus, prefix_token_masks, probs_from_scores, process_logits
 
 V = 24
 
@@ -109,3 +109,21 @@ def test_verify_chain_penalises_each_position_with_its_own_prefix():
     logits = torch.tensor([[5.0, 4.9, 4.8, 1.0]] * 3, dtype=torch.float64)
     config = SamplingConfig(repetition_penalty=2.0)
     assert verify_chain(logits, torch.tensor([1, 2]), None, torch.tensor([0]), config, None) == (2, 0)
+
+
+@pytest.mark.parametrize("first_k", [1, 16, 1024])
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_partial_sort_nucleus_equals_the_full_sort(first_k, top_p):
+    # flat rows need far more than first_k tokens (the sort grows), peaked rows need a few
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 5000, generator=generator, dtype=torch.float64)
+    logits[:3] *= torch.tensor([0.1, 3.0, 12.0], dtype=torch.float64)[:, None]
+    logits[4, :100] = float("-inf")  # masked by top-k earlier in the pipeline
+    kept = nucleus(logits, top_p, first_k=first_k)
+    ordered, order = torch.sort(logits, dim=-1, descending=True)
+    probs = ordered.softmax(-1)
+    expected_sorted = (probs.cumsum(-1) - probs) < top_p
+    expected_sorted[:, 0] = True
+    expected = torch.zeros_like(kept).scatter(-1, order, expected_sorted)
+    assert torch.equal(kept, expected)
+    assert kept.sum(-1).min() >= 1

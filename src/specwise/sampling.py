@@ -108,13 +108,39 @@ def process_logits(
         kth = torch.topk(scores, config.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if config.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
-        cumulative = sorted_scores.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative <= (1.0 - config.top_p)
-        drop_sorted[..., -1] = False  # always keep the most likely token
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
+        scores = scores.masked_fill(~nucleus(scores, config.top_p), float("-inf"))
     return scores
+
+
+def nucleus(scores: torch.Tensor, top_p: float, first_k: int = 1024) -> torch.Tensor:
+    """Which tokens top-p (nucleus) sampling keeps (Holtzman et al. 2020; Hugging Face's rule).
+
+    A token is kept iff the probability mass of the tokens ranked above it is below ``top_p``, so
+    the most likely token always is. Only the ``first_k`` most likely tokens are sorted (a partial
+    sort), growing 8x at a time until they hold ``top_p`` of the mass: sorting a 262k vocabulary
+    costs ~6 ms a row on CPU, and a nucleus rarely holds more than a few hundred tokens.
+
+    Args:
+        scores: ``[N, V]`` float scores (temperature and top-k already applied; ``-inf`` = masked).
+        top_p: in (0, 1).
+        first_k: tokens sorted on the first try.
+
+    Returns:
+        ``[N, V]`` bool, True where kept.
+    """
+    probs = scores.softmax(-1)
+    vocab = scores.shape[-1]
+    k = min(first_k, vocab)
+    while True:
+        top, order = probs.topk(k, dim=-1)  # shape: [N, k], descending
+        cumulative = top.cumsum(-1)
+        if k == vocab or bool((cumulative[..., -1] >= top_p).all()):
+            break
+        k = min(8 * k, vocab)
+    keep_sorted = (cumulative - top) < top_p  # mass ranked above each token
+    keep_sorted[..., 0] = True
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    return keep.scatter_(-1, order, keep_sorted)
 
 
 def probs_from_scores(scores: torch.Tensor) -> torch.Tensor:
