@@ -33,7 +33,8 @@ from specwise.training.features import (
     token_frequencies,
     vocabulary_coverage,
 )
-from specwise.training.trainer import TrainConfig, learning_rate, train
+from specwise.training.recipes import rank0_decides
+from specwise.training.trainer import TrainConfig, join_process_group, learning_rate, train
 
 VOCAB_D = 96  # draft vocabulary of the tiny models (of 128)
 
@@ -244,8 +245,11 @@ def _ddp_worker(rank: int, world: int, port: int, out: str, corpus_dir: str, res
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))
+    join_process_group()
+    precision_flag = rank0_decides(rank == 0)  # a timed choice such as --precision auto: rank 0's holds
     train(model, recipe, TrainConfig(steps=3, warmup_steps=1, bf16=False), out, progress=False)
     torch.save({k: v.detach() for k, v in model.state_dict().items()}, Path(result_dir) / f"rank{rank}.pt")
+    torch.save(torch.tensor(precision_flag), Path(result_dir) / f"flag{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
@@ -266,6 +270,7 @@ def test_ddp_two_gloo_processes_train_in_step(corpus, tmp_path):
         assert torch.equal(zero[name], one[name]), name
     state = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)
     assert state["progress"]["step"] == 3
+    assert [bool(torch.load(tmp_path / f"flag{r}.pt")) for r in (0, 1)] == [True, True]
 
 
 # ----------------------------------------------------------------------------------- checkpoints

@@ -27,6 +27,17 @@ def is_main_process() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def rank0_decides(flag: bool) -> bool:
+    """Rank 0's ``flag`` on every rank under DDP (the ranks must train alike); ``flag`` otherwise."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor([int(flag)])
+    dist.broadcast(value, src=0)
+    return bool(value)
+
+
 @contextlib.contextmanager
 def main_process_first():
     """Run the block's work on rank 0 only (``yield`` tells whether this process does it); the
@@ -242,10 +253,10 @@ def warm_start(model: torch.nn.Module, path: str | Path, method: str, vocab: tor
     from specwise.errors import DrafterError
 
     ckpt = load_checkpoint(path, target, method=method)
-    mine = {k: v for k, v in model.architecture().items() if k not in _INIT_ONLY}
+    mine = json.loads(json.dumps({k: v for k, v in model.architecture().items() if k not in _INIT_ONLY}))
     theirs = {k: ckpt.architecture.get(k) for k in mine}
-    if theirs != json.loads(json.dumps(mine)):
-        changed = sorted(k for k in mine if json.loads(json.dumps(mine[k])) != theirs[k])
+    if theirs != mine:
+        changed = sorted(k for k in mine if mine[k] != theirs[k])
         raise DrafterError(f"cannot start from {path}: its architecture differs in {', '.join(changed)} "
                            f"({', '.join(f'{k}={theirs[k]!r}, here {mine[k]!r}' for k in changed[:3])}).")
     stored = ckpt.tensors.get("draft_vocab")
@@ -274,10 +285,11 @@ def _train_and_save(method: str, description: str, model, recipe, recipe_config,
         warm_start(model, init_from, method, vocab, target)
         say(f"starting from the weights of {init_from}")
     steps = getattr(args, "steps", None)
-    precision = choose_precision(getattr(args, "precision", None) or "auto", target.device)
-    say(f"training in {precision} (--precision {getattr(args, 'precision', None) or 'auto'})")
+    requested = getattr(args, "precision", None) or "auto"
+    bf16 = rank0_decides(choose_precision(requested, target.device) == "bf16")  # timed: ranks could differ
+    say(f"training in {'bf16' if bf16 else 'fp32'} (--precision {requested})")
     config = TrainConfig(steps=steps, minutes=None if steps else minutes, lr=lr, grad_accum=args.grad_accum,
-                         seed=args.seed, validate_every=args.validate_every, bf16=precision == "bf16")
+                         seed=args.seed, validate_every=args.validate_every, bf16=bf16)
     result = train(model, recipe, config, out / "trainer")
     if not is_main_process():
         return
