@@ -34,4 +34,6 @@ def test_keep_freed_memory_applies_in_a_fresh_process_and_leaves_torch_working()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     applied, total = out.stdout.split()
-    assert applied == ("True" if sys.platform.startswith("linux") else applied) and float(total) == 1 << 24
+    assert float(total) == 1 << 24
+    if sys.platform.startswith("linux"):  # glibc
+        assert applied == "True"

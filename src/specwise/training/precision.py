@@ -79,8 +79,9 @@ def keep_freed_memory() -> bool:
     """Make this process reuse freed memory instead of returning it to the OS (glibc only).
 
     Sets ``M_MMAP_MAX = 0`` (large blocks come from the heap, not from fresh ``mmap`` regions) and
-    the largest trim threshold, 2 GiB (freed heap memory is kept unless that much lies free at its top). Memory then stays at the process's peak
-    until it exits, so call it in processes that train, not in a library user's process.
+    the largest trim threshold, 2 GiB (freed heap memory is kept unless that much lies free at its
+    top). Memory then stays near the process's peak until it exits, so call it in processes that
+    train, not in a library user's process.
 
     Returns:
         ``True`` when applied; ``False`` where the C library has no ``mallopt`` (not glibc).
