@@ -15,7 +15,9 @@ from specwise.analysis.model import (
     VerifyCostTable,
     acceptance_rate,
     expected_tokens_per_step,
+    least_required_acceptance,
     optimal_num_draft_tokens,
+    required_acceptance,
     simulate_tokens_per_step,
     speedup,
 )
@@ -108,6 +110,41 @@ def test_speedup_and_verify_cost_table():
         VerifyCostTable((1, 4, 2), (1.0, 1.0, 1.0))
     assert acceptance_rate([3, 2, 1], [4, 4, 2]) == pytest.approx(0.6)
     assert acceptance_rate([], []) is None
+
+
+def test_required_acceptance_inverts_the_speedup():
+    table = VerifyCostTable((1, 2, 4, 8, 16, 32, 64), (1.0, 1.09, 1.24, 1.56, 2.12, 3.23, 5.63))
+    for k in (1, 3, 7):
+        for c in (0.0, 0.05, 0.25):
+            for wanted in (0.8, 1.3, 2.0):
+                alpha = required_acceptance(wanted, k, c, table)
+                reachable = (k + 1) / (k * c + table(k + 1)) >= wanted
+                assert (alpha is not None) == reachable
+                if alpha is not None and alpha > 0:
+                    assert speedup(alpha, k, c, table) == pytest.approx(wanted, abs=1e-6)
+                    assert speedup(max(alpha - 1e-4, 0.0), k, c, table) < wanted
+    assert required_acceptance(0.5, 3, 0.0) == 0.0  # reached with every draft rejected
+    # memory-bound verification and a free drafter: S = E(alpha, 1) = 1 + alpha
+    assert required_acceptance(1.5, 1, 0.0) == pytest.approx(0.5, abs=1e-8)
+    assert required_acceptance(2.0, 1, 0.0) == pytest.approx(1.0)
+    with pytest.raises(ConfigError):
+        required_acceptance(0.0, 3, 0.1)
+    with pytest.raises(ConfigError):
+        required_acceptance(2.0, 0, 0.1)
+
+
+def test_least_required_acceptance_is_the_minimum_over_k():
+    table = VerifyCostTable((1, 2, 4, 8, 16, 32, 64), (1.0, 1.09, 1.24, 1.56, 2.12, 3.23, 5.63))
+    for wanted in (1.2, 2.0, 3.0):
+        for c in (0.0, 0.1):
+            found = least_required_acceptance(wanted, c, table, max_draft_tokens=16)
+            options = {k: required_acceptance(wanted, k, c, table) for k in range(1, 17)}
+            options = {k: a for k, a in options.items() if a is not None}
+            assert found is not None
+            assert found[1] == pytest.approx(min(options.values()))
+            assert found[0] == min(k for k, a in options.items() if a <= found[1] + 1e-9)
+    # a drafter costing half a step per token never reaches 3x against this verification cost
+    assert least_required_acceptance(3.0, 0.5, table) is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,7 +278,8 @@ def test_analyze_cli_overlay(tmp_path, capsys):
     for name in ("verify_cost.png", "speedup_vs_alpha.png", "speedup_vs_k.png"):
         assert (out / name).read_bytes().startswith(PNG_MAGIC)
     report = (out / "analysis.md").read_text()
-    assert "## Optimal k" in report and "## Predicted vs measured" in report and "](speedup_vs_alpha.png)" in report
+    assert "## Optimal k" in report and "## Predicted vs measured" in report and "## Acceptance needed" in report
+    assert "| (free drafter) | 0 |" in report and "](speedup_vs_alpha.png)" in report
     assert "| pld | overall | 2 | 10 |" in (out / "predicted_vs_measured.md").read_text()
     assert "predicted vs measured" in capsys.readouterr().out
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 OPTIMAL_K_ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+NEEDED_SPEEDUPS = (1.2, 1.5, 2.0, 2.5, 3.0)  # columns of the "acceptance needed" table
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -119,7 +120,7 @@ def _calibrate(args: argparse.Namespace):
 
 def analysis_markdown(calibration, points, notes, plots, overlay) -> str:
     """The ``analysis.md`` report: costs, optimal k per method, predicted vs measured, plots."""
-    from specwise.analysis.model import optimal_num_draft_tokens
+    from specwise.analysis.model import expected_tokens_per_step, least_required_acceptance, optimal_num_draft_tokens
     from specwise.analysis.overlay import prediction_table
 
     c = calibration
@@ -145,6 +146,18 @@ def analysis_markdown(calibration, points, notes, plots, overlay) -> str:
     for m in c.methods.values():
         cells = [optimal_num_draft_tokens(a, m.draft_cost, v) for a in OPTIMAL_K_ALPHAS]
         lines.append(f"| {m.spec} | " + " | ".join(f"{k}, {s:.2f}×" for k, s in cells) + " |")
+    lines += ["", "## Acceptance needed for a speedup (k in 1..64 needing the least α)", "",
+              "The inverse of the model: the least acceptance rate α, and its chain length k, at which the "
+              "speedup is reached, and the τ = E(α, k) that gives; – where no k reaches it even at α = 1. "
+              "The row c = 0 is a drafter that costs nothing: the limit this machine's verification cost "
+              "sets on every chain method.", "",
+              "| method | c | " + " | ".join(f"{s:g}×" for s in NEEDED_SPEEDUPS) + " |",
+              "|---|---|" + "---|" * len(NEEDED_SPEEDUPS)]
+    for spec, cost in [("(free drafter)", 0.0)] + [(m.spec, m.draft_cost) for m in c.methods.values()]:
+        cells = [least_required_acceptance(s, cost, v) for s in NEEDED_SPEEDUPS]
+        lines.append(f"| {spec} | {cost:.3g} | " + " | ".join(
+            "–" if x is None else f"k={x[0]}, α={x[1]:.2f} (τ {expected_tokens_per_step(x[1], x[0]):.2f})"
+            for x in cells) + " |")
     if overlay:
         lines += ["", f"## Predicted vs measured ({overlay})", "",
                   "α measured = accepted / drafted draft tokens. The model assumes every step drafts k tokens, "

@@ -145,6 +145,64 @@ def optimal_num_draft_tokens(alpha: float, draft_cost: float, verify_cost: Verif
     return best_k, float(best)
 
 
+def required_acceptance(target_speedup: float, num_draft_tokens: int, draft_cost: float,
+                        verify_cost: VerifyCost = None) -> float | None:
+    """The least acceptance rate at which ``k`` drafts per step reach ``target_speedup``: the
+    inverse of :func:`speedup` in alpha.
+
+    ``E(alpha, k)`` increases with alpha while the step's cost ``k * c + v(k + 1)`` does not depend
+    on it, so the speedup is increasing in alpha and bisection finds the root (to 1e-9).
+
+    Args:
+        target_speedup: S > 0, the speedup over plain decoding wanted.
+        num_draft_tokens: k >= 1.
+        draft_cost: c >= 0 per draft token, relative to ``t(1)``.
+        verify_cost: ``v(n)`` as in :func:`speedup`.
+
+    Returns:
+        alpha in [0, 1], or ``None`` when even alpha = 1 falls short: the step costs more than
+        ``(k + 1) / S`` plain steps.
+
+    Raises:
+        ConfigError: S <= 0, k < 1 or c < 0.
+    """
+    k = _check_k(num_draft_tokens, minimum=1)
+    if not target_speedup > 0:
+        raise ConfigError(f"the target speedup must be > 0, got {target_speedup!r}.")
+    def at(alpha: float) -> float:
+        return speedup(alpha, k, draft_cost, verify_cost)
+
+    if at(1.0) < target_speedup:
+        return None
+    if at(0.0) >= target_speedup:
+        return 0.0
+    low, high = 0.0, 1.0
+    while high - low > 1e-9:
+        mid = (low + high) / 2
+        low, high = (mid, high) if at(mid) < target_speedup else (low, mid)
+    return high
+
+
+def least_required_acceptance(target_speedup: float, draft_cost: float, verify_cost: VerifyCost = None,
+                              max_draft_tokens: int = 64) -> tuple[int, float] | None:
+    """The chain length needing the least acceptance rate for ``target_speedup``.
+
+    Args:
+        target_speedup, draft_cost, verify_cost: as in :func:`required_acceptance`.
+        max_draft_tokens: the largest k tried.
+
+    Returns:
+        ``(k, alpha)``, the smallest k among ties; ``None`` when no k in ``1 .. max_draft_tokens``
+        reaches the speedup even at alpha = 1.
+    """
+    best: tuple[int, float] | None = None
+    for k in range(1, _check_k(max_draft_tokens, minimum=1) + 1):
+        alpha = required_acceptance(target_speedup, k, draft_cost, verify_cost)
+        if alpha is not None and (best is None or alpha < best[1] - 1e-9):
+            best = (k, alpha)
+    return best
+
+
 def simulate_tokens_per_step(alpha: float, num_draft_tokens: int, num_steps: int,
                              generator: np.random.Generator) -> np.ndarray:
     """Monte-Carlo of the acceptance process behind :func:`expected_tokens_per_step`.
