@@ -135,6 +135,59 @@ def test_greedy_equals_plain_decoding(arch, block_size, window):
     assert len(stats.drafted_by_position) <= block_size - 1
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("block_size,tree_top_k,total_tokens", [(4, 2, 4), (8, 3, 8), (6, 4, 16)])
+def test_greedy_with_a_draft_tree_equals_plain_decoding(arch, block_size, tree_top_k, total_tokens):
+    target = make_target(arch, eos=(), attn_implementation="sdpa")
+    config = DFlashDrafterConfig(tree_top_k=tree_top_k, total_tokens=total_tokens)
+    drafter = DFlashDrafter(target, config, model=make_dflash(target, block_size, window=8))
+    prompt = random_prompt(20, seed=3)
+    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    assert tokens == reference_greedy(target.model, prompt, 30)
+    assert stats.drafted_tokens > 0
+
+
+def test_the_draft_tree_follows_the_block_distributions():
+    """Each level offers the top-k tokens of its block position, the first-child path is the argmax
+    chain, and scores never rise along a path (which the rerank, tested in test_tree.py, needs)."""
+    target = make_target("llama", eos=())
+    model = make_dflash(target, block_size=5)
+    k, total = 3, 9
+    drafter = DFlashDrafter(target, DFlashDrafterConfig(tree_top_k=k, total_tokens=total), model=model)
+    torch.manual_seed(0)
+    logits = torch.randn(4, VOCAB_D, dtype=torch.float64)
+    proposal = drafter._tree(logits)
+    parents = proposal.parents.tolist()
+    assert len(parents) == total and all(p <= i for i, p in enumerate(parents))
+    depth = [0]
+    for p in parents:
+        depth.append(depth[p] + 1)
+    logp = torch.log_softmax(logits, dim=-1)
+    top = logp.topk(k, dim=-1).indices
+    tokens = proposal.tokens.tolist()
+    for node in range(1, total + 1):  # node i is token i - 1
+        assert tokens[node - 1] in model.vocab[top[depth[node] - 1]].tolist()
+    # the first-child path is the argmax chain
+    node, chain = 0, []
+    while True:
+        children = [i + 1 for i, p in enumerate(parents) if p == node]
+        if not children:
+            break
+        node = children[0]
+        chain.append(tokens[node - 1])
+    assert chain == model.vocab[logits[: len(chain)].argmax(-1)].tolist()
+    # scores (sums of log-probabilities along the path) never rise from a parent to its child
+    score = [0.0]
+    for node in range(1, total + 1):
+        index = (model.vocab == tokens[node - 1]).nonzero().item()
+        score.append(score[parents[node - 1]] + float(logp[depth[node] - 1, index]))
+    assert all(score[node] <= score[parents[node - 1]] + 1e-12 for node in range(1, total + 1))
+    with pytest.raises(ConfigError, match="tree_top_k"):
+        DFlashDrafterConfig(tree_top_k=0)
+    with pytest.raises(ConfigError, match="exceeds the drafter's draft vocabulary"):
+        DFlashDrafter(target, DFlashDrafterConfig(tree_top_k=VOCAB_D + 1), model=model)
+
+
 def test_greedy_accepts_when_the_drafter_guesses_right(monkeypatch):
     """Drafts that are the target's own continuation are all accepted, and the cache still ends with
     one entry per committed position before the root."""

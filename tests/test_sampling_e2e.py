@@ -91,8 +91,9 @@ def _medusa(target, acceptance: str = "exact"):
     return MedusaDrafter(target, config, heads=heads.eval().requires_grad_(False), tree=tree)
 
 
-def _dflash(target):
-    """A DFlash drafter over a reduced vocabulary (6 of 8 tokens), blocks of 3 (2 drafts)."""
+def _dflash(target, tree_top_k: int = 1):
+    """A DFlash drafter over a reduced vocabulary (6 of 8 tokens), blocks of 3 (2 drafts), verified
+    as a chain or (``tree_top_k`` > 1) as a tree of 4 nodes with siblings."""
     from specwise.drafters.dflash import DFlashDrafter, DFlashDrafterConfig
     from specwise.models.dflash import DFlashConfig, DFlashModel
 
@@ -102,12 +103,14 @@ def _dflash(target):
     model = DFlashModel(target, config, torch.tensor([4, 3, 5, 6, 0, 2])).double()
     with torch.no_grad():
         model.layers[0].o_proj.weight.normal_(std=0.3)
-    return DFlashDrafter(target, DFlashDrafterConfig(), model=model.eval().requires_grad_(False))
+    config = DFlashDrafterConfig(tree_top_k=tree_top_k, total_tokens=4)
+    return DFlashDrafter(target, config, model=model.eval().requires_grad_(False))
 
 
 CONFIGS = {
     "dflash-block-t0.9": (_dflash, 3, dict(temperature=0.9)),
     "dflash-block-topk-topp-penalty": (_dflash, 3, dict(temperature=1.0, top_k=5, top_p=0.9, repetition_penalty=1.3)),
+    "dflash-tree-t0.9": (lambda target: _dflash(target, tree_top_k=2), 3, dict(temperature=0.9)),
     "medusa-tree-t0.9": (_medusa, 3, dict(temperature=0.9)),
     "medusa-tree-topk-topp-penalty": (_medusa, 3, dict(temperature=1.0, top_k=5, top_p=0.9, repetition_penalty=1.3)),
     "eagle-tree-t0.9": (_eagle, 3, dict(temperature=0.9)),

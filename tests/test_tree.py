@@ -50,7 +50,7 @@ from conftest import (
     repetitive_prompt,
 )
 from specwise.target import AttentionLayout
-from specwise.tree import DraftTree, additive_attention_mask
+from specwise.tree import DraftTree, additive_attention_mask, best_nodes_tree
 from specwise.types import AuxiliaryTokens
 from specwise.verify import SIBLING_RULES, greedy_tree_accept, tree_speculative_sample
 from test_sampling_e2e import PROMPT as SMALL_PROMPT
@@ -651,3 +651,28 @@ def test_end_to_end_check_detects_a_lossy_tree_verifier(monkeypatch):
     counts, _, _ = _sampled_tree_counts("iid", E2E_SEEDS // 5, sampling)
     with pytest.raises(AssertionError, match="not distributed as expected"):
         assert_distribution(counts, exact_joint(target.model, SMALL_PROMPT, 3, **sampling), "lossy tree verifier")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 30))
+def test_best_nodes_tree_keeps_the_best_scores_and_their_ancestors(seed, keep):
+    """Random candidate forests with cumulative scores (ties included): the kept nodes are the
+    ``keep`` best by score (ties to the earlier-created), every kept node's parent is kept, and the
+    returned parents index the kept nodes."""
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(1, 25))
+    parent, score = [], []
+    for i in range(count):
+        p = int(rng.integers(-1, i)) if i else -1
+        step = -float(rng.choice([0.0, 0.5, 1.0, rng.random()]))  # zero steps make ties
+        parent.append(p)
+        score.append((score[p] if p >= 0 else 0.0) + step)
+    chosen, parents = best_nodes_tree(torch.tensor(score), torch.tensor(parent), keep)
+    expect = sorted(range(count), key=lambda i: (-score[i], i))[: min(keep, count)]
+    assert chosen.tolist() == sorted(expect)
+    kept = chosen.tolist()
+    for node, (index, p) in enumerate(zip(kept, parents.tolist()), start=1):
+        assert p < node
+        assert (p == 0) == (parent[index] == -1)
+        if p:
+            assert kept[p - 1] == parent[index]

@@ -128,3 +128,29 @@ def additive_attention_mask(
     mask = torch.zeros(n, prefix_length + n, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+def best_nodes_tree(score: torch.Tensor, parent: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``keep`` best-scoring candidate nodes as a draft tree (EAGLE-2's rerank, Li et al. 2024).
+
+    Candidates are listed in creation order, each parent before its children, and a child's score
+    never exceeds its parent's (scores are cumulative log-probabilities). A stable sort then puts a
+    tie in creation order, parent first, so every chosen node's parent is chosen too.
+
+    Args:
+        score: ``[C]`` float, each candidate's cumulative score.
+        parent: ``[C]`` long, each candidate's parent as a creation index, ``-1`` for the root.
+        keep: nodes to keep (at most C).
+
+    Returns:
+        ``(chosen, parents)``: ``chosen`` ``[keep]`` long, the kept creation indices in creation
+        order; ``parents`` ``[keep]`` long, each kept node's parent as a tree node index (0 = the
+        root, kept node i is node i + 1), the ``parents`` of a tree :class:`specwise.types.Proposal`.
+    """
+    keep = min(keep, score.numel())
+    order = torch.sort(score, descending=True, stable=True).indices[:keep]
+    chosen = torch.sort(order).values  # creation order: parents before children
+    node_of = torch.zeros(score.numel(), dtype=torch.long, device=score.device)  # creation index -> node
+    node_of[chosen] = torch.arange(1, keep + 1, device=score.device)
+    parents = parent[chosen]
+    return chosen, torch.where(parents < 0, torch.zeros_like(parents), node_of[parents.clamp_min(0)])

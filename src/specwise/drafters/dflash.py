@@ -1,5 +1,5 @@
 """``dflash``: a block-diffusion drafter drafts ``block_size - 1`` tokens in one forward
-(Chen, Liang, Liu 2026; ALGORITHMS.md §7); the target verifies them as a chain.
+(Chen, Liang, Liu 2026; ALGORITHMS.md §7); the target verifies them as a chain, or as a draft tree.
 
 Per step:
 
@@ -10,9 +10,16 @@ Per step:
 2. **Draft.** The block ``[root, MASK x (B-1)]`` at positions ``P .. P+B-1`` runs through the layers
    once, each entry attending to at most ``window`` context keys and to the whole block; entry k's
    argmax is the draft token at position P+k.
+3. **Tree (``tree_top_k > 1``).** The same forward gives a distribution at every block position, so
+   the alternatives cost no further drafter forward: level l of the tree offers the ``tree_top_k``
+   most likely tokens of position P+l under each of the ``tree_top_k`` best nodes of level l-1,
+   a node's score being the sum of its path's log-probabilities (EAGLE-2's expansion, with
+   children that do not depend on their parent), and the ``total_tokens`` best nodes are verified
+   in one tree forward. The drafter's positions are marginals given only the anchor, so a sibling
+   below an accepted alternative is a guess; the tree buys the cases where the argmax is wrong.
 
-Verification: the drafts are the argmax of the drafter's distributions, a deterministic function
-of the context, so each is proposed with a point mass. Greedy decoding compares them with the
+Verification: the drafts (chain or tree) are a deterministic function of the context, so each is
+proposed with a point mass. Greedy decoding compares them with the
 target's argmax; sampling uses speculative sampling with delta proposals (accept with probability
 p(x), else sample from p with x removed, renormalized), which is exact and accepts with the same
 probability as DFlash's sample-match rule. Sampled drafts with the ratio test were not chosen: the
@@ -33,6 +40,7 @@ from specwise.drafters.base import Drafter, MethodConfig, register_drafter
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.dflash import DFlashConfig, DFlashModel
 from specwise.models.eagle import HeadCache
+from specwise.tree import best_nodes_tree
 from specwise.types import DraftContext, Proposal, StepFeedback
 
 
@@ -41,13 +49,19 @@ class DFlashDrafterConfig(MethodConfig):
     """Options of ``dflash``."""
 
     drafter: str | None = None  # DFlash drafter directory; None = the one shipped for the target
-    # drafts verified per step (<= block_size - 1); None = the drafter's tuned default, else all B-1
+    # chain length, or tree depth (<= block_size - 1); None = the drafter's tuned default, else all B-1
     num_draft_tokens: int | None = None
+    tree_top_k: int = 1  # alternatives per tree level; 1 = verify the argmax chain
+    total_tokens: int = 8  # draft nodes verified per step when tree_top_k > 1 (the root excluded)
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens is not None and (not isinstance(self.num_draft_tokens, int)
                                                   or self.num_draft_tokens < 1):
             raise ConfigError(f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}.")
+        for name in ("tree_top_k", "total_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
 
 
 def load_dflash(path, target) -> DFlashModel:
@@ -81,7 +95,8 @@ class DFlashDrafter(Drafter):
     Raises:
         DrafterError: no drafter given and none ships for the target, one trained for another
             target, or one in another dtype / on another device.
-        ConfigError: ``num_draft_tokens`` above ``block_size - 1``.
+        ConfigError: ``num_draft_tokens`` above ``block_size - 1``, or ``tree_top_k`` above the
+            draft vocabulary.
     """
 
     def __init__(self, target, config: DFlashDrafterConfig, model: DFlashModel | None = None) -> None:
@@ -101,6 +116,9 @@ class DFlashDrafter(Drafter):
         if config.num_draft_tokens is not None and config.num_draft_tokens > drafts:
             raise ConfigError(f"num_draft_tokens={config.num_draft_tokens} but a block of {model.config.block_size} "
                               f"drafts at most {drafts}.")
+        if config.tree_top_k > model.config.draft_vocab_size:
+            raise ConfigError(f"tree_top_k ({config.tree_top_k}) exceeds the drafter's draft vocabulary "
+                              f"({model.config.draft_vocab_size} tokens).")
         self.model = model
         tuned = getattr(model, "default_draft_tokens", None)
         self.num_draft_tokens = min(config.num_draft_tokens or tuned or drafts, drafts)
@@ -147,5 +165,30 @@ class DFlashDrafter(Drafter):
         positions = torch.arange(length, length + size, device=device)
         context_kv = [(c.keys[begin:length], c.values[begin:length]) for c in self.caches]
         h = model.run_block(x, positions, context_kv)  # the block sees its whole window and itself
-        drafts = model.logits(h[1: count + 1]).argmax(dim=-1)  # shape: [count]
-        return Proposal(model.vocab[drafts])
+        logits = model.logits(h[1: count + 1])  # shape: [count, Vd]
+        if self.config.tree_top_k == 1:
+            return Proposal(model.vocab[logits.argmax(dim=-1)])
+        return self._tree(logits)
+
+    def _tree(self, logits: torch.Tensor) -> Proposal:
+        """A draft tree from the block's per-position distributions (module docstring, step 3).
+
+        Args:
+            logits: ``[D, Vd]``, the draft-vocabulary logits of block positions 1..D.
+        """
+        k = self.config.tree_top_k
+        logp = torch.log_softmax(logits.float(), dim=-1).clamp_max(0.0)  # scores never rise along a path
+        level_score, level_index = logp.topk(k, dim=-1)  # shape: [D, k], most likely first
+        score, index = level_score[0], level_index[0]
+        parent = torch.full((k,), -1, dtype=torch.long, device=logits.device)
+        frontier = torch.arange(k, device=logits.device)  # creation indices of the nodes expanded next
+        for level in range(1, logits.shape[0]):
+            width = frontier.numel()
+            created = score.numel()
+            scores = (score[frontier][:, None] + level_score[level][None, :]).flatten()  # shape: [width*k]
+            score = torch.cat([score, scores])
+            index = torch.cat([index, level_index[level].repeat(width)])
+            parent = torch.cat([parent, frontier.repeat_interleave(k)])
+            frontier = created + scores.topk(min(k, scores.numel())).indices
+        chosen, parents = best_nodes_tree(score, parent, self.config.total_tokens)
+        return Proposal(self.model.vocab[index[chosen]], parents=parents)

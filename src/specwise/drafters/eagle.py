@@ -34,6 +34,7 @@ import torch
 from specwise.drafters.base import Drafter, MethodConfig, register_drafter
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.eagle import EagleConfig, EagleHead, HeadCache
+from specwise.tree import best_nodes_tree
 from specwise.types import DraftContext, Proposal, StepFeedback
 
 
@@ -192,20 +193,9 @@ class EagleDrafter(Drafter):
             parent_row = best // k
             frontier = created + best
             frontier_h = out_h[parent_row]
-        return self._rerank(all_index, all_score, all_parent, device)
+        return self._rerank(all_index, all_score, all_parent)
 
-    def _rerank(self, index: torch.Tensor, score: torch.Tensor, parent: torch.Tensor, device) -> Proposal:
-        """The ``total_tokens`` best nodes as a tree, in creation order.
-
-        A child's score is its parent's plus a log-probability clamped to <= 0, so it is never
-        above its parent's; the stable sort puts ties in creation order (parent first). So every
-        chosen node's parent is chosen too.
-        """
-        keep = min(self.config.total_tokens, score.numel())
-        order = torch.sort(score, descending=True, stable=True).indices[:keep]
-        chosen = torch.sort(order).values  # creation order: parents before children
-        node_of = torch.zeros(score.numel(), dtype=torch.long, device=device)  # creation index -> tree node
-        node_of[chosen] = torch.arange(1, keep + 1, device=device)
-        parents = parent[chosen]
-        node_parents = torch.where(parents < 0, torch.zeros_like(parents), node_of[parents.clamp_min(0)])
-        return Proposal(self.head.vocab[index[chosen]], parents=node_parents)
+    def _rerank(self, index: torch.Tensor, score: torch.Tensor, parent: torch.Tensor) -> Proposal:
+        """The ``total_tokens`` best nodes as a tree, in creation order (:func:`best_nodes_tree`)."""
+        chosen, parents = best_nodes_tree(score, parent, self.config.total_tokens)
+        return Proposal(self.head.vocab[index[chosen]], parents=parents)
