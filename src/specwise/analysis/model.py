@@ -169,6 +169,7 @@ def required_acceptance(target_speedup: float, num_draft_tokens: int, draft_cost
     k = _check_k(num_draft_tokens, minimum=1)
     if not target_speedup > 0:
         raise ConfigError(f"the target speedup must be > 0, got {target_speedup!r}.")
+
     def at(alpha: float) -> float:
         return speedup(alpha, k, draft_cost, verify_cost)
 
