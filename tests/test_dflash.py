@@ -188,6 +188,39 @@ def test_the_draft_tree_follows_the_block_distributions():
         DFlashDrafter(target, DFlashDrafterConfig(tree_top_k=VOCAB_D + 1), model=model)
 
 
+def test_min_path_prob_cuts_the_chain_and_the_tree_where_the_path_probability_falls_below_it():
+    target = make_target("llama", eos=())
+    model = make_dflash(target, block_size=6)
+    torch.manual_seed(1)
+    logits = 3 * torch.randn(5, VOCAB_D, dtype=torch.float64)
+    path = torch.log_softmax(logits, dim=-1).max(dim=-1).values.cumsum(0).exp()  # argmax chain's path probabilities
+    for threshold in (0.0, float(path[1]) * 0.999, float(path[1]) * 1.001, 0.999):
+        config = DFlashDrafterConfig(min_path_prob=threshold)
+        chain = DFlashDrafter(target, config, model=model)._chain(logits).tokens
+        keep = int((path >= threshold).sum())
+        assert chain.tolist() == model.vocab[logits.argmax(-1)][:keep].tolist()
+    full = DFlashDrafter(target, DFlashDrafterConfig(tree_top_k=3, total_tokens=9), model=model)._tree(logits)
+    cut = DFlashDrafter(target, DFlashDrafterConfig(tree_top_k=3, total_tokens=9, min_path_prob=float(path[1]) * 0.999),
+                        model=model)._tree(logits)
+    assert 2 <= cut.tokens.numel() < full.tokens.numel()
+    assert full.tokens[: 1].tolist() == cut.tokens[:1].tolist()  # the argmax chain's first node survives
+    empty = DFlashDrafter(target, DFlashDrafterConfig(tree_top_k=3, min_path_prob=0.999), model=model)._tree(logits)
+    assert empty.tokens.numel() == 0
+    with pytest.raises(ConfigError, match="min_path_prob"):
+        DFlashDrafterConfig(min_path_prob=1.0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tree_top_k,min_path_prob", [(1, 0.02), (1, 0.5), (3, 0.005)])
+def test_greedy_with_a_dynamic_length_equals_plain_decoding(arch, tree_top_k, min_path_prob):
+    target = make_target(arch, eos=(), attn_implementation="sdpa")
+    config = DFlashDrafterConfig(tree_top_k=tree_top_k, total_tokens=8, min_path_prob=min_path_prob)
+    drafter = DFlashDrafter(target, config, model=make_dflash(target, block_size=6, window=8))
+    prompt = random_prompt(20, seed=3)
+    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    assert tokens == reference_greedy(target.model, prompt, 30)
+
+
 def test_greedy_accepts_when_the_drafter_guesses_right(monkeypatch):
     """Drafts that are the target's own continuation are all accepted, and the cache still ends with
     one entry per committed position before the root."""

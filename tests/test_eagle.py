@@ -124,6 +124,9 @@ def test_config_and_vocabulary_are_validated():
         EagleHead(target, EagleConfig(feature_layers=(0, 1), draft_vocab_size=2), torch.tensor([3, 500]))
     with pytest.raises(ConfigError, match="tree_top_k"):
         EagleDrafterConfig(tree_top_k=0)
+    for bad in (-0.1, 1.0, "0.2", True):
+        with pytest.raises(ConfigError, match="min_path_prob"):
+            EagleDrafterConfig(min_path_prob=bad)
     with pytest.raises(ConfigError, match="exceeds the head's draft vocabulary"):
         EagleDrafter(target, EagleDrafterConfig(tree_top_k=VOCAB_D + 1), head=make_head(target))
 
@@ -214,6 +217,48 @@ def test_tree_depth_shrinks_with_the_budget():
     assert drafter.propose(DraftContext(ids, 0, SamplingConfig(), None, ids.numel() - 1)).tokens.numel() == 0
 
 
+class _Scored(EagleDrafter):
+    """Records the candidates' cumulative scores that the rerank chooses from."""
+
+    def _rerank(self, index, score, parent, min_score):
+        self.candidates = (index, score, parent)
+        return super()._rerank(index, score, parent, min_score)
+
+
+@pytest.mark.parametrize("min_path_prob", [0.03, 0.05, 0.1])
+def test_min_path_prob_keeps_the_full_trees_nodes_above_it(min_path_prob):
+    """The thresholded tree is the unthresholded one without the nodes whose path probability
+    (exp of the cumulative score) is below ``min_path_prob``, in the same order with the same
+    parents; expansion stops early only where no deeper node could reach it."""
+    target = make_target("llama", attn_implementation="sdpa")
+    head = make_head(target, window=8)
+    ids = random_prompt(15, seed=7)
+    options = dict(depth=4, tree_top_k=4, total_tokens=12)
+    full = _prefilled(target, head, ids, **options)
+    full.__class__ = _Scored
+    ctx = DraftContext(ids, 50, SamplingConfig(), None, ids.numel() - 1)
+    whole = full.propose(ctx)
+    index, score, parent = full.candidates
+    from specwise.tree import best_nodes_tree
+
+    chosen, _ = best_nodes_tree(score, parent, options["total_tokens"])
+    above = [i for i, c in enumerate(chosen.tolist()) if float(score[c].exp()) >= min_path_prob]
+    assert 0 < len(above) < chosen.numel()  # the threshold cuts this tree somewhere
+    pruned = _prefilled(target, head, ids, min_path_prob=min_path_prob, **options).propose(ctx)
+    assert pruned.tokens.tolist() == whole.tokens[above].tolist()
+    # parents: the full tree's, renumbered to the kept nodes (0 = the root)
+    renumber = {0: 0, **{node + 1: new + 1 for new, node in enumerate(above)}}
+    assert pruned.parents.tolist() == [renumber[int(whole.parents[i])] for i in above]
+
+
+def test_min_path_prob_above_every_node_proposes_nothing():
+    target = make_target("llama", attn_implementation="sdpa")
+    ids = random_prompt(15, seed=7)
+    drafter = _prefilled(target, make_head(target), ids, depth=4, tree_top_k=4, total_tokens=12,
+                         min_path_prob=0.999)
+    assert drafter.propose(DraftContext(ids, 50, SamplingConfig(), None, ids.numel() - 1)).tokens.numel() == 0
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_head_cache_after_partial_acceptance_equals_a_fresh_run(arch):
     target = make_target(arch, eos=(), attn_implementation="sdpa")
@@ -247,6 +292,20 @@ def test_greedy_equals_plain_decoding(arch, depth, k, total):
     tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
     assert tokens == reference_greedy(target.model, prompt, 30)
     assert max(len(stats.drafted_by_position), 1) <= depth
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("min_path_prob", [0.005, 0.02, 0.5])
+def test_greedy_with_a_dynamic_budget_equals_plain_decoding(arch, min_path_prob):
+    """Steps with a thresholded tree, and (0.5: nearly always) with none, stay exact."""
+    target = make_target(arch, eos=(), attn_implementation="sdpa")
+    head = make_head(target, window=8)
+    prompt = random_prompt(20, seed=2)
+    config = EagleDrafterConfig(depth=4, tree_top_k=8, total_tokens=16, min_path_prob=min_path_prob)
+    tokens, _, stats = speculative_generate(target, EagleDrafter(target, config, head=head), prompt,
+                                            max_new_tokens=30, sampling=SamplingConfig())
+    assert tokens == reference_greedy(target.model, prompt, 30)
+    assert stats.drafted_tokens < 16 * len(stats.accepted_lengths)
 
 
 def test_public_api_runs_eagle_with_a_given_drafter(tmp_path):

@@ -654,11 +654,11 @@ def test_end_to_end_check_detects_a_lossy_tree_verifier(monkeypatch):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 10_000), st.integers(1, 30))
-def test_best_nodes_tree_keeps_the_best_scores_and_their_ancestors(seed, keep):
+@given(st.integers(0, 10_000), st.integers(1, 30), st.sampled_from([None, -0.5, -1.0, -2.5]))
+def test_best_nodes_tree_keeps_the_best_scores_and_their_ancestors(seed, keep, min_score):
     """Random candidate forests with cumulative scores (ties included): the kept nodes are the
-    ``keep`` best by score (ties to the earlier-created), every kept node's parent is kept, and the
-    returned parents index the kept nodes."""
+    ``keep`` best by score (ties to the earlier-created) among those scoring at least ``min_score``,
+    every kept node's parent is kept, and the returned parents index the kept nodes."""
     rng = np.random.default_rng(seed)
     count = int(rng.integers(1, 25))
     parent, score = [], []
@@ -667,8 +667,13 @@ def test_best_nodes_tree_keeps_the_best_scores_and_their_ancestors(seed, keep):
         step = -float(rng.choice([0.0, 0.5, 1.0, rng.random()]))  # zero steps make ties
         parent.append(p)
         score.append((score[p] if p >= 0 else 0.0) + step)
-    chosen, parents = best_nodes_tree(torch.tensor(score), torch.tensor(parent), keep)
-    expect = sorted(range(count), key=lambda i: (-score[i], i))[: min(keep, count)]
+    if min_score is None:
+        chosen, parents = best_nodes_tree(torch.tensor(score), torch.tensor(parent), keep)
+        eligible = range(count)
+    else:
+        chosen, parents = best_nodes_tree(torch.tensor(score), torch.tensor(parent), keep, min_score)
+        eligible = [i for i in range(count) if score[i] >= min_score]
+    expect = sorted(eligible, key=lambda i: (-score[i], i))[:keep]
     assert chosen.tolist() == sorted(expect)
     kept = chosen.tolist()
     for node, (index, p) in enumerate(zip(kept, parents.tolist()), start=1):

@@ -6,6 +6,7 @@ not yet seen by the target); nodes are in topological order (``parents[i] < i``)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -130,24 +131,33 @@ def additive_attention_mask(
     return mask[None, None]
 
 
-def best_nodes_tree(score: torch.Tensor, parent: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+def log_threshold(min_prob: float) -> float:
+    """The least cumulative log-probability for a least path probability (0 -> ``-inf``: no limit)."""
+    return math.log(min_prob) if min_prob > 0 else float("-inf")
+
+
+def best_nodes_tree(score: torch.Tensor, parent: torch.Tensor, keep: int,
+                    min_score: float = float("-inf")) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``keep`` best-scoring candidate nodes as a draft tree (EAGLE-2's rerank, Li et al. 2024).
 
     Candidates are listed in creation order, each parent before its children, and a child's score
     never exceeds its parent's (scores are cumulative log-probabilities). A stable sort then puts a
-    tie in creation order, parent first, so every chosen node's parent is chosen too.
+    tie in creation order, parent first, so every chosen node's parent is chosen too. Candidates
+    scoring below ``min_score`` are never chosen; their descendants score no higher, so the tree
+    stays closed under ancestors (it may be empty).
 
     Args:
         score: ``[C]`` float, each candidate's cumulative score.
         parent: ``[C]`` long, each candidate's parent as a creation index, ``-1`` for the root.
-        keep: nodes to keep (at most C).
+        keep: nodes to keep at most (at most C are).
+        min_score: the least score a chosen node may have (the log of a least path probability).
 
     Returns:
-        ``(chosen, parents)``: ``chosen`` ``[keep]`` long, the kept creation indices in creation
-        order; ``parents`` ``[keep]`` long, each kept node's parent as a tree node index (0 = the
+        ``(chosen, parents)``: ``chosen`` ``[n]`` long (n <= keep), the kept creation indices in
+        creation order; ``parents`` ``[n]`` long, each kept node's parent as a tree node index (0 = the
         root, kept node i is node i + 1), the ``parents`` of a tree :class:`specwise.types.Proposal`.
     """
-    keep = min(keep, score.numel())
+    keep = min(keep, int((score >= min_score).sum()))
     order = torch.sort(score, descending=True, stable=True).indices[:keep]
     chosen = torch.sort(order).values  # creation order: parents before children
     node_of = torch.zeros(score.numel(), dtype=torch.long, device=score.device)  # creation index -> node

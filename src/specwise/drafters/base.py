@@ -48,6 +48,16 @@ class MethodConfig:
     """Base of the per-method option dataclasses; validates in ``__post_init__``."""
 
 
+def check_probability_threshold(name: str, value: float) -> None:
+    """Refuse a path-probability threshold outside ``[0, 1)``.
+
+    Raises:
+        ConfigError: ``value`` is not a number in ``[0, 1)``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ConfigError(f"{name} must be a probability in [0, 1), got {value!r}.")
+
+
 @dataclass(frozen=True)
 class DraftingConfig(MethodConfig):
     """Options shared by methods that draft a fixed number of tokens."""

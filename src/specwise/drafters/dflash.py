@@ -18,6 +18,10 @@ Per step:
    in one tree forward. The drafter's positions are marginals given only the anchor, so a sibling
    below an accepted alternative is a guess; the tree buys the cases where the argmax is wrong.
    For the shipped gemma-3-270m drafter it raised τ but not speed (README), so chains are the default.
+4. **Dynamic length (``min_path_prob``).** A chain keeps its leading drafts whose path probability
+   under the drafter (the product of the argmax probabilities up to them) reaches the threshold; a
+   tree drops the nodes below it. On a hard step fewer rows are verified, on an easy one the
+   whole ``num_draft_tokens``; with none above it the step verifies the root alone.
 
 Verification: the drafts (chain or tree) are a deterministic function of the context, so each is
 proposed with a point mass. Greedy decoding compares them with the target's argmax; sampling uses
@@ -37,11 +41,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specwise.drafters.base import Drafter, MethodConfig, register_drafter
+from specwise.drafters.base import Drafter, MethodConfig, check_probability_threshold, register_drafter
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.dflash import DFlashConfig, DFlashModel
 from specwise.models.eagle import HeadCache
-from specwise.tree import best_nodes_tree
+from specwise.tree import best_nodes_tree, log_threshold
 from specwise.types import DraftContext, Proposal, StepFeedback
 
 
@@ -54,6 +58,7 @@ class DFlashDrafterConfig(MethodConfig):
     num_draft_tokens: int | None = None
     tree_top_k: int = 1  # alternatives per tree level; 1 = verify the argmax chain
     total_tokens: int = 8  # draft nodes verified per step when tree_top_k > 1 (the root excluded)
+    min_path_prob: float = 0.0  # verify only drafts whose path probability under the drafter reaches this
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens is not None and (not isinstance(self.num_draft_tokens, int)
@@ -63,6 +68,7 @@ class DFlashDrafterConfig(MethodConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
+        check_probability_threshold("min_path_prob", self.min_path_prob)
 
 
 def load_dflash(path, target) -> DFlashModel:
@@ -168,8 +174,19 @@ class DFlashDrafter(Drafter):
         h = model.run_block(x, positions, context_kv)  # the block sees its whole window and itself
         logits = model.logits(h[1: count + 1])  # shape: [count, Vd]
         if self.config.tree_top_k == 1:
-            return Proposal(model.vocab[logits.argmax(dim=-1)])
+            return self._chain(logits)
         return self._tree(logits)
+
+    def _chain(self, logits: torch.Tensor) -> Proposal:
+        """The argmax chain, cut before the first draft whose path probability is below
+        ``min_path_prob`` (module docstring, step 4). ``logits``: ``[D, Vd]``."""
+        best = logits.argmax(dim=-1)
+        if self.config.min_path_prob > 0:
+            path_logp = torch.log_softmax(logits.float(), dim=-1).max(dim=-1).values.cumsum(0)  # shape: [D]
+            best = best[: int((path_logp >= log_threshold(self.config.min_path_prob)).sum())]
+            if best.numel() == 0:
+                return Proposal.empty(logits.device)
+        return Proposal(self.model.vocab[best])
 
     def _tree(self, logits: torch.Tensor) -> Proposal:
         """A draft tree from the block's per-position distributions (module docstring, step 3).
@@ -178,8 +195,8 @@ class DFlashDrafter(Drafter):
             logits: ``[D, Vd]``, the draft-vocabulary logits of block positions 1..D.
 
         Returns:
-            a tree :class:`Proposal` of ``min(total_tokens, candidates)`` nodes, siblings most
-            likely first.
+            a tree :class:`Proposal` of at most ``total_tokens`` nodes (those whose path probability
+            reaches ``min_path_prob``), siblings most likely first; empty when none does.
         """
         k = self.config.tree_top_k
         logp = torch.log_softmax(logits.float(), dim=-1).clamp_max(0.0)  # scores never rise along a path
@@ -195,5 +212,8 @@ class DFlashDrafter(Drafter):
             index = torch.cat([index, level_index[level].repeat(width)])
             parent = torch.cat([parent, frontier.repeat_interleave(k)])
             frontier = created + scores.topk(min(k, scores.numel())).indices
-        chosen, parents = best_nodes_tree(score, parent, self.config.total_tokens)
+        chosen, parents = best_nodes_tree(score, parent, self.config.total_tokens,
+                                          log_threshold(self.config.min_path_prob))
+        if chosen.numel() == 0:
+            return Proposal.empty(logits.device)
         return Proposal(self.model.vocab[index[chosen]], parents=parents)

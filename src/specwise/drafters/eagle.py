@@ -16,6 +16,13 @@ Per step:
    along a path, and ties go to the earlier-created node, so this set always contains every
    selected node's ancestors.
 
+``min_path_prob`` makes the budget dynamic: a node whose path probability under the head (the
+exponential of its score) is below it is not verified, and expansion stops at a level whose best
+node is below it (no descendant can score higher). Verifying a token costs a measurable share of a
+target step on a CPU, so an unlikely node can cost more than it is expected to return; on an easy
+step the tree keeps its full budget. With no node above the threshold the step verifies the root
+alone (plain decoding).
+
 The tree is a deterministic function of the context, so each node's proposal distribution is a
 point mass: greedy verification follows the target's argmax, and sampling uses recursive rejection
 with delta proposals (ALGORITHMS.md §2.4), which is exact. The draft vocabulary only limits which
@@ -31,10 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specwise.drafters.base import Drafter, MethodConfig, register_drafter
+from specwise.drafters.base import Drafter, MethodConfig, check_probability_threshold, register_drafter
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.eagle import EagleConfig, EagleHead, HeadCache
-from specwise.tree import best_nodes_tree
+from specwise.tree import best_nodes_tree, log_threshold
 from specwise.types import DraftContext, Proposal, StepFeedback
 
 
@@ -49,12 +56,14 @@ class EagleDrafterConfig(MethodConfig):
     depth: int = 4  # tree levels below the root (head forwards per step)
     tree_top_k: int = 4  # children per expanded node, and nodes expanded per level (EAGLE's top_k)
     total_tokens: int = 8  # draft nodes verified per step (the root excluded)
+    min_path_prob: float = 0.0  # verify only nodes whose path probability under the head reaches this
 
     def __post_init__(self) -> None:
         for name in ("depth", "tree_top_k", "total_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
+        check_probability_threshold("min_path_prob", self.min_path_prob)
 
 
 def load_eagle_head(path, target) -> EagleHead:
@@ -171,7 +180,10 @@ class EagleDrafter(Drafter):
         lineage = torch.zeros(k, 0, dtype=torch.bool, device=device)
         parent_row = torch.arange(k, device=device)  # each frontier node's parent among the last level's rows
         committed = torch.ones(k, m, dtype=torch.bool, device=device)
+        min_score = log_threshold(cfg.min_path_prob)
         for level in range(1, depth):
+            if min_score > float("-inf") and float(all_score[frontier].max()) < min_score:
+                break  # every deeper node would fall below the threshold
             tokens = head.vocab[all_index[frontier]]
             positions = torch.full((k,), base + level - 1, device=device)
             q, new_k, new_v = head.project(frontier_h, head.embed(tokens), positions)
@@ -193,9 +205,12 @@ class EagleDrafter(Drafter):
             parent_row = best // k
             frontier = created + best
             frontier_h = out_h[parent_row]
-        return self._rerank(all_index, all_score, all_parent)
+        return self._rerank(all_index, all_score, all_parent, min_score)
 
-    def _rerank(self, index: torch.Tensor, score: torch.Tensor, parent: torch.Tensor) -> Proposal:
-        """The ``total_tokens`` best nodes as a tree, in creation order (:func:`best_nodes_tree`)."""
-        chosen, parents = best_nodes_tree(score, parent, self.config.total_tokens)
+    def _rerank(self, index: torch.Tensor, score: torch.Tensor, parent: torch.Tensor, min_score: float) -> Proposal:
+        """The ``total_tokens`` best nodes scoring at least ``min_score`` as a tree, in creation order
+        (:func:`best_nodes_tree`); an empty proposal when none does."""
+        chosen, parents = best_nodes_tree(score, parent, self.config.total_tokens, min_score)
+        if chosen.numel() == 0:
+            return Proposal.empty(index.device)
         return Proposal(self.head.vocab[index[chosen]], parents=parents)
