@@ -7,6 +7,10 @@ extra target work, only the heads (one row each). Head k's ranking gives the tok
 node at depth k; the tree shape is static: the first ``tree_nodes`` rank paths of the order the
 heads were calibrated with (:mod:`specwise.models.medusa_tree`), stored in their checkpoint.
 
+``min_path_prob`` makes the static tree's budget dynamic: a node whose path probability under the
+heads (the product of each head's probability of the node's token along the path) is below it is not
+verified that step.
+
 Acceptance:
 
 * ``acceptance="exact"`` (default): greedy verification, or recursive rejection sampling with delta
@@ -24,10 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specwise.drafters.base import Drafter, MethodConfig, register_drafter
+from specwise.drafters.base import Drafter, MethodConfig, check_probability_threshold, register_drafter
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.medusa import MedusaConfig, MedusaHeads
 from specwise.models.medusa_tree import tree_from_paths
+from specwise.tree import DraftTree, best_nodes_tree, log_threshold
 from specwise.types import DraftContext, Proposal, StepFeedback, TypicalAcceptance
 
 ACCEPTANCE_RULES = ("exact", "typical-lossy")
@@ -42,6 +47,7 @@ class MedusaDrafterConfig(MethodConfig):
     acceptance: str = "exact"  # "exact" (lossless) or "typical-lossy" (Medusa's typical acceptance, not lossless)
     posterior_threshold: float = 0.09  # typical-lossy: epsilon
     posterior_alpha: float = 0.3  # typical-lossy: delta
+    min_path_prob: float = 0.0  # verify only nodes whose path probability under the heads reaches this
 
     def __post_init__(self) -> None:
         if self.tree_nodes is not None and (not isinstance(self.tree_nodes, int) or self.tree_nodes < 1):
@@ -51,6 +57,7 @@ class MedusaDrafterConfig(MethodConfig):
         if not 0 < self.posterior_threshold <= 1 or not self.posterior_alpha > 0:
             raise ConfigError(f"posterior_threshold must be in (0, 1] and posterior_alpha > 0, got "
                               f"{self.posterior_threshold!r} and {self.posterior_alpha!r}.")
+        check_probability_threshold("min_path_prob", self.min_path_prob)
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,9 @@ class MedusaDrafter(Drafter):
         self.heads = heads
         device = target.device
         self._depths, self._ranks, self._parents = depths.to(device), ranks.to(device), parents.to(device)
+        # _ancestors[i, j]: draft node j is draft node i or one of its ancestors
+        self._ancestors = DraftTree.build(torch.zeros((), dtype=torch.long), torch.zeros_like(parents),
+                                          parents).ancestors[1:, 1:].to(device=device, dtype=torch.float32)
         self._used_heads = int(depths.max())
         self._top = int(ranks.max()) + 1  # ranks needed from each head
         if self._top > heads.config.draft_vocab_size:
@@ -159,6 +169,16 @@ class MedusaDrafter(Drafter):
         if depth <= 0 or self._hidden is None:
             return Proposal.empty(ctx.token_ids.device)
         logits = self.heads(self._hidden, heads=self._used_heads)  # shape: [K', Vd]
-        top = logits.topk(self._top, dim=-1).indices  # shape: [K', R]
+        top_logits, top = logits.topk(self._top, dim=-1)  # shape: [K', R]
         tokens = self.heads.vocab[top[self._depths - 1, self._ranks]]  # shape: [N]
-        return Proposal(tokens, parents=self._parents, typical=self._typical)
+        if self.config.min_path_prob <= 0:
+            return Proposal(tokens, parents=self._parents, typical=self._typical)
+        # each node's log-probability under its head, summed down the (topologically ordered) tree
+        node_logp = (top_logits.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True))[
+            self._depths - 1, self._ranks].clamp_max(0.0)  # shape: [N]
+        path_logp = (self._ancestors * node_logp).sum(dim=-1)  # shape: [N]
+        chosen, parents = best_nodes_tree(path_logp, self._parents - 1, tokens.numel(),
+                                          log_threshold(self.config.min_path_prob))
+        if chosen.numel() == 0:
+            return Proposal.empty(tokens.device)
+        return Proposal(tokens[chosen], parents=parents, typical=self._typical)
