@@ -63,20 +63,22 @@ def _draft_lm(target):
                              draft_model=model.eval().requires_grad_(False))
 
 
-def _eagle(target):
-    """An EAGLE head over a reduced vocabulary (6 of 8 tokens) drafting a dynamic tree with siblings."""
+def _eagle(target, min_path_prob: float = 0.0):
+    """An EAGLE head over a reduced vocabulary (6 of 8 tokens) drafting a dynamic tree with siblings
+    (pruned per step below ``min_path_prob``)."""
     from specwise.drafters.eagle import EagleDrafter, EagleDrafterConfig
     from specwise.models.eagle import EagleConfig, EagleHead
 
     torch.manual_seed(5)
     config = EagleConfig(feature_layers=(0, 2), draft_vocab_size=6, num_heads=2, head_dim=8, intermediate_size=16)
     head = EagleHead(target, config, torch.tensor([4, 3, 5, 6, 0, 2])).double()
-    return EagleDrafter(target, EagleDrafterConfig(depth=2, tree_top_k=2, total_tokens=4),
+    return EagleDrafter(target, EagleDrafterConfig(depth=2, tree_top_k=2, total_tokens=4, min_path_prob=min_path_prob),
                         head=head.eval().requires_grad_(False))
 
 
-def _medusa(target, acceptance: str = "exact"):
-    """Medusa heads over a reduced vocabulary (6 of 8 tokens), a static tree of 2 heads x top-2."""
+def _medusa(target, acceptance: str = "exact", min_path_prob: float = 0.0):
+    """Medusa heads over a reduced vocabulary (6 of 8 tokens), a static tree of 2 heads x top-2
+    (pruned per step below ``min_path_prob``)."""
     from specwise.drafters.medusa import MedusaDrafter, MedusaDrafterConfig, MedusaTree
     from specwise.models.medusa import MedusaConfig, MedusaHeads
 
@@ -87,13 +89,14 @@ def _medusa(target, acceptance: str = "exact"):
             param.normal_(std=0.3)
     tree = MedusaTree(((0,), (1,), (0, 0), (0, 1), (1, 0)), 5)
     # thresholds so low that the typical rule accepts nearly every drafted node
-    config = MedusaDrafterConfig(acceptance=acceptance, posterior_threshold=0.01, posterior_alpha=0.01)
+    config = MedusaDrafterConfig(acceptance=acceptance, posterior_threshold=0.01, posterior_alpha=0.01,
+                                 min_path_prob=min_path_prob)
     return MedusaDrafter(target, config, heads=heads.eval().requires_grad_(False), tree=tree)
 
 
-def _dflash(target, tree_top_k: int = 1):
+def _dflash(target, tree_top_k: int = 1, min_path_prob: float = 0.0):
     """A DFlash drafter over a reduced vocabulary (6 of 8 tokens), blocks of 3 (2 drafts), verified
-    as a chain or (``tree_top_k`` > 1) as a tree of 4 nodes with siblings."""
+    as a chain or (``tree_top_k`` > 1) as a tree of 4 nodes with siblings, cut below ``min_path_prob``."""
     from specwise.drafters.dflash import DFlashDrafter, DFlashDrafterConfig
     from specwise.models.dflash import DFlashConfig, DFlashModel
 
@@ -103,9 +106,14 @@ def _dflash(target, tree_top_k: int = 1):
     model = DFlashModel(target, config, torch.tensor([4, 3, 5, 6, 0, 2])).double()
     with torch.no_grad():
         model.layers[0].o_proj.weight.normal_(std=0.3)
-    config = DFlashDrafterConfig(tree_top_k=tree_top_k, total_tokens=4)
+    config = DFlashDrafterConfig(tree_top_k=tree_top_k, total_tokens=4, min_path_prob=min_path_prob)
     return DFlashDrafter(target, config, model=model.eval().requires_grad_(False))
 
+
+# min_path_prob for the dynamic-budget configs: between the tiny drafters' path probabilities, so
+# some steps verify their nodes and others none (200 seeds: eagle and medusa verified 200 of the 400
+# nodes the unpruned trees do, dflash 53 of 200)
+DYNAMIC = {"eagle": 0.28, "dflash": 0.25, "medusa": 0.28}
 
 CONFIGS = {
     "dflash-block-t0.9": (_dflash, 3, dict(temperature=0.9)),
@@ -115,6 +123,10 @@ CONFIGS = {
     "medusa-tree-topk-topp-penalty": (_medusa, 3, dict(temperature=1.0, top_k=5, top_p=0.9, repetition_penalty=1.3)),
     "eagle-tree-t0.9": (_eagle, 3, dict(temperature=0.9)),
     "eagle-tree-topk-topp-penalty": (_eagle, 3, dict(temperature=1.0, top_k=5, top_p=0.9, repetition_penalty=1.3)),
+    # dynamic budgets: the drafter's own path probabilities decide how many nodes are verified
+    "eagle-dynamic-t0.9": (lambda target: _eagle(target, min_path_prob=DYNAMIC["eagle"]), 3, dict(temperature=0.9)),
+    "dflash-dynamic-t0.9": (lambda target: _dflash(target, min_path_prob=DYNAMIC["dflash"]), 3, dict(temperature=0.9)),
+    "medusa-dynamic-t0.9": (lambda target: _medusa(target, min_path_prob=DYNAMIC["medusa"]), 3, dict(temperature=0.9)),
     "draft-lm-reduced-vocab-t0.9": (_draft_lm, 3, dict(temperature=0.9)),
     "draft-lm-reduced-vocab-topk-penalty": (_draft_lm, 3, dict(temperature=1.0, top_k=5, repetition_penalty=1.3)),
     # name: (drafter factory or method name, max_new_tokens, sampling options)
