@@ -58,7 +58,8 @@ class DFlashDrafterConfig(MethodConfig):
     num_draft_tokens: int | None = None
     tree_top_k: int = 1  # alternatives per tree level; 1 = verify the argmax chain
     total_tokens: int = 8  # draft nodes verified per step when tree_top_k > 1 (the root excluded)
-    min_path_prob: float = 0.0  # verify only drafts whose path probability under the drafter reaches this
+    # 0.3 with all 7 drafts of the shipped drafter: +7% tokens/s over 3 fixed drafts, paired per prompt (README)
+    min_path_prob: float = 0.3  # verify only drafts whose path probability under the drafter reaches this
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens is not None and (not isinstance(self.num_draft_tokens, int)

@@ -56,7 +56,9 @@ class EagleDrafterConfig(MethodConfig):
     depth: int = 4  # tree levels below the root (head forwards per step)
     tree_top_k: int = 4  # children per expanded node, and nodes expanded per level (EAGLE's top_k)
     total_tokens: int = 8  # draft nodes verified per step (the root excluded)
-    min_path_prob: float = 0.0  # verify only nodes whose path probability under the head reaches this
+    # 0.1: +8% tokens/s over no threshold, paired per prompt, on 17 default bench prompts (15 of 17
+    # faster), +2% greedy and +9-16% at T=0.7 on the 14 held-out ones (README)
+    min_path_prob: float = 0.1  # verify only nodes whose path probability under the head reaches this
 
     def __post_init__(self) -> None:
         for name in ("depth", "tree_top_k", "total_tokens"):

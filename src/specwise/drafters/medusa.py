@@ -47,7 +47,8 @@ class MedusaDrafterConfig(MethodConfig):
     acceptance: str = "exact"  # "exact" (lossless) or "typical-lossy" (Medusa's typical acceptance, not lossless)
     posterior_threshold: float = 0.09  # typical-lossy: epsilon
     posterior_alpha: float = 0.3  # typical-lossy: delta
-    min_path_prob: float = 0.0  # verify only nodes whose path probability under the heads reaches this
+    # 0.15 with the shipped heads' 12-node tree: +1-4% tokens/s over 2 fixed nodes, paired per prompt (README)
+    min_path_prob: float = 0.15  # verify only nodes whose path probability under the heads reaches this
 
     def __post_init__(self) -> None:
         if self.tree_nodes is not None and (not isinstance(self.tree_nodes, int) or self.tree_nodes < 1):
