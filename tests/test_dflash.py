@@ -217,7 +217,7 @@ def test_greedy_with_a_dynamic_length_equals_plain_decoding(arch, tree_top_k, mi
     config = DFlashDrafterConfig(tree_top_k=tree_top_k, total_tokens=8, min_path_prob=min_path_prob)
     drafter = DFlashDrafter(target, config, model=make_dflash(target, block_size=6, window=8))
     prompt = random_prompt(20, seed=3)
-    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    tokens, _, _ = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
     assert tokens == reference_greedy(target.model, prompt, 30)
 
 

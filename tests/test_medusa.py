@@ -178,7 +178,7 @@ def test_greedy_with_a_dynamic_budget_equals_plain_decoding(arch, min_path_prob)
     prompt = random_prompt(20, seed=2)
     drafter = MedusaDrafter(target, MedusaDrafterConfig(min_path_prob=min_path_prob), heads=heads,
                             tree=wide_tree(3, 4))
-    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    tokens, _, _ = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
     assert tokens == reference_greedy(target.model, prompt, 30)
 
 
