@@ -63,17 +63,18 @@ def _draft_lm(target):
                              draft_model=model.eval().requires_grad_(False))
 
 
-def _eagle(target, min_path_prob: float = 0.0):
+def _eagle(target, min_path_prob: float = 0.0, lookup_tokens: int = 0):
     """An EAGLE head over a reduced vocabulary (6 of 8 tokens) drafting a dynamic tree with siblings
-    (pruned per step below ``min_path_prob``)."""
+    (pruned per step below ``min_path_prob``, and the context lookup grafted on with ``lookup_tokens``)."""
     from specwise.drafters.eagle import EagleDrafter, EagleDrafterConfig
     from specwise.models.eagle import EagleConfig, EagleHead
 
     torch.manual_seed(5)
     config = EagleConfig(feature_layers=(0, 2), draft_vocab_size=6, num_heads=2, head_dim=8, intermediate_size=16)
     head = EagleHead(target, config, torch.tensor([4, 3, 5, 6, 0, 2])).double()
-    return EagleDrafter(target, EagleDrafterConfig(depth=2, tree_top_k=2, total_tokens=4, min_path_prob=min_path_prob),
-                        head=head.eval().requires_grad_(False))
+    config = EagleDrafterConfig(depth=2, tree_top_k=2, total_tokens=4, min_path_prob=min_path_prob,
+                                lookup_tokens=lookup_tokens, lookup_min_ngram=1)
+    return EagleDrafter(target, config, head=head.eval().requires_grad_(False))
 
 
 def _medusa(target, acceptance: str = "exact", min_path_prob: float = 0.0):
@@ -94,7 +95,7 @@ def _medusa(target, acceptance: str = "exact", min_path_prob: float = 0.0):
     return MedusaDrafter(target, config, heads=heads.eval().requires_grad_(False), tree=tree)
 
 
-def _dflash(target, tree_top_k: int = 1, min_path_prob: float = 0.0):
+def _dflash(target, tree_top_k: int = 1, min_path_prob: float = 0.0, lookup_tokens: int = 0):
     """A DFlash drafter over a reduced vocabulary (6 of 8 tokens), blocks of 3 (2 drafts), verified
     as a chain or (``tree_top_k`` > 1) as a tree of 4 nodes with siblings, cut below ``min_path_prob``."""
     from specwise.drafters.dflash import DFlashDrafter, DFlashDrafterConfig
@@ -106,7 +107,8 @@ def _dflash(target, tree_top_k: int = 1, min_path_prob: float = 0.0):
     model = DFlashModel(target, config, torch.tensor([4, 3, 5, 6, 0, 2])).double()
     with torch.no_grad():
         model.layers[0].o_proj.weight.normal_(std=0.3)
-    config = DFlashDrafterConfig(tree_top_k=tree_top_k, total_tokens=4, min_path_prob=min_path_prob)
+    config = DFlashDrafterConfig(tree_top_k=tree_top_k, total_tokens=4, min_path_prob=min_path_prob,
+                                 lookup_tokens=lookup_tokens, lookup_min_ngram=1)
     return DFlashDrafter(target, config, model=model.eval().requires_grad_(False))
 
 
@@ -127,6 +129,12 @@ CONFIGS = {
     "eagle-dynamic-t0.9": (lambda target: _eagle(target, min_path_prob=DYNAMIC["eagle"]), 3, dict(temperature=0.9)),
     "dflash-dynamic-t0.9": (lambda target: _dflash(target, min_path_prob=DYNAMIC["dflash"]), 3, dict(temperature=0.9)),
     "medusa-dynamic-t0.9": (lambda target: _medusa(target, min_path_prob=DYNAMIC["medusa"]), 3, dict(temperature=0.9)),
+    # the context lookup grafted onto the tree: its tokens become siblings of the drafter's (and, with
+    # 4 new tokens, deeper paths) in one delta-proposal tree
+    "eagle-lookup-t0.9": (lambda target: _eagle(target, min_path_prob=DYNAMIC["eagle"], lookup_tokens=2), 4,
+                          dict(temperature=0.9)),
+    "dflash-lookup-topk-penalty": (lambda target: _dflash(target, lookup_tokens=2), 3,
+                                   dict(temperature=1.0, top_k=5, repetition_penalty=1.3)),
     "draft-lm-reduced-vocab-t0.9": (_draft_lm, 3, dict(temperature=0.9)),
     "draft-lm-reduced-vocab-topk-penalty": (_draft_lm, 3, dict(temperature=1.0, top_k=5, repetition_penalty=1.3)),
     # name: (drafter factory or method name, max_new_tokens, sampling options)

@@ -164,3 +164,42 @@ def best_nodes_tree(score: torch.Tensor, parent: torch.Tensor, keep: int,
     node_of[chosen] = torch.arange(1, keep + 1, device=score.device)
     parents = parent[chosen]
     return chosen, torch.where(parents < 0, torch.zeros_like(parents), node_of[parents.clamp_min(0)])
+
+
+def graft_chain(tokens: torch.Tensor, parents: torch.Tensor | None,
+                chain: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add a chain of draft tokens to a draft tree as a path from the root, sharing every prefix
+    the tree already has (a trie insert).
+
+    Used to verify a context lookup's draft (ALGORITHMS.md §6) in the same forward as a model's
+    draft tree (the retrieval-plus-model idea of SAM-Decoding, Hu et al. 2024). Where the chain's first i tokens
+    follow an existing path, no node is added; from its first token off the tree on, each chain
+    token becomes a new node appended after the existing ones, so node order stays topological,
+    siblings stay distinct and every draft stays a deterministic (delta) proposal.
+
+    Args:
+        tokens: ``[K]`` long, the tree's draft tokens (node i + 1 holds token i; the root is node 0).
+        parents: ``[K]`` long node indices (0 = the root, ``parents[i] <= i``), or ``None`` for a
+            chain (token i follows token i - 1).
+        chain: ``[L]`` long, tokens that follow the root one after another (may be empty).
+
+    Returns:
+        ``(tokens, parents)``: ``[K + A]`` long each, the first K nodes unchanged, A the chain tokens
+        that were not on the tree; ``parents`` is given even when the input was a chain.
+    """
+    k = tokens.numel()
+    parent_list = list(range(k)) if parents is None else [int(p) for p in parents.tolist()]
+    token_list = [int(t) for t in tokens.tolist()]
+    child = {(p, t): i + 1 for i, (p, t) in enumerate(zip(parent_list, token_list))}  # (parent, token) -> node
+    node = 0
+    for token in (int(t) for t in chain.tolist()):
+        found = child.get((node, token))
+        if found is None:
+            token_list.append(token)
+            parent_list.append(node)
+            found = len(token_list)
+            child[(node, token)] = found
+        node = found
+    device = tokens.device
+    return (torch.tensor(token_list, dtype=torch.long, device=device),
+            torch.tensor(parent_list, dtype=torch.long, device=device))

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specwise.drafters.base import Drafter, MethodConfig, check_probability_threshold, register_drafter
+from specwise.drafters.base import Drafter, check_probability_threshold, register_drafter
+from specwise.drafters.lookup_graft import LookupGraftConfig, graft_lookup
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.dflash import DFlashConfig, DFlashModel
 from specwise.models.eagle import HeadCache
@@ -50,7 +51,7 @@ from specwise.types import DraftContext, Proposal, StepFeedback
 
 
 @dataclass(frozen=True)
-class DFlashDrafterConfig(MethodConfig):
+class DFlashDrafterConfig(LookupGraftConfig):
     """Options of ``dflash``."""
 
     drafter: str | None = None  # DFlash drafter directory; None = the one shipped for the target
@@ -62,6 +63,7 @@ class DFlashDrafterConfig(MethodConfig):
     min_path_prob: float = 0.3  # verify only drafts whose path probability under the drafter reaches this
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.num_draft_tokens is not None and (not isinstance(self.num_draft_tokens, int)
                                                   or self.num_draft_tokens < 1):
             raise ConfigError(f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}.")
@@ -131,6 +133,7 @@ class DFlashDrafter(Drafter):
         tuned = getattr(model, "default_draft_tokens", None)
         self.num_draft_tokens = min(config.num_draft_tokens or tuned or drafts, drafts)
         self.target_hidden_layers = tuple(model.config.feature_layers)
+        self.eos_token_ids = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long)
         self.reset()
 
     def reset(self) -> None:
@@ -159,8 +162,12 @@ class DFlashDrafter(Drafter):
         for cache, (k, v) in zip(self.caches, self.model.context_keys_values(context, positions)):
             cache.append(k, v)
 
-    @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> Proposal:
+        return graft_lookup(self._draft_block(ctx), ctx, self.config, self.eos_token_ids)
+
+    @torch.inference_mode()
+    def _draft_block(self, ctx: DraftContext) -> Proposal:
+        """The block's chain or tree (steps 1-4 of the module docstring)."""
         self._catch_up()
         count = min(self.num_draft_tokens, ctx.max_draft_tokens)
         if count <= 0:

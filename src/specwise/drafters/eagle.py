@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specwise.drafters.base import Drafter, MethodConfig, check_probability_threshold, register_drafter
+from specwise.drafters.base import Drafter, check_probability_threshold, register_drafter
+from specwise.drafters.lookup_graft import LookupGraftConfig, graft_lookup
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.eagle import EagleConfig, EagleHead, HeadCache
 from specwise.tree import best_nodes_tree, log_threshold
@@ -46,7 +47,7 @@ from specwise.types import DraftContext, Proposal, StepFeedback
 
 
 @dataclass(frozen=True)
-class EagleDrafterConfig(MethodConfig):
+class EagleDrafterConfig(LookupGraftConfig):
     """Options of ``eagle`` (the dynamic tree's budget). ``tree_top_k`` is EAGLE-2's ``top_k``,
     renamed so it cannot be mistaken for the sampling option ``top_k``."""
 
@@ -61,6 +62,7 @@ class EagleDrafterConfig(MethodConfig):
     min_path_prob: float = 0.1  # verify only nodes whose path probability under the head reaches this
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("depth", "tree_top_k", "total_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -116,6 +118,7 @@ class EagleDrafter(Drafter):
                               f"({head.config.draft_vocab_size} tokens).")
         self.head = head
         self.target_hidden_layers = tuple(head.config.feature_layers)
+        self.eos_token_ids = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long)
         self.reset()
 
     def reset(self) -> None:
@@ -155,8 +158,12 @@ class EagleDrafter(Drafter):
         attended = head.attend(q[-1:], keys, values, allowed)
         return head.finish(feature[-1:], attended)[0]
 
-    @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> Proposal:
+        return graft_lookup(self._draft_tree(ctx), ctx, self.config, self.eos_token_ids)
+
+    @torch.inference_mode()
+    def _draft_tree(self, ctx: DraftContext) -> Proposal:
+        """The head's dynamic tree (steps 1-3 of the module docstring)."""
         head, cfg = self.head, self.config
         root_h = self._catch_up()
         depth = min(cfg.depth, ctx.max_draft_tokens)

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specwise.drafters.base import Drafter, MethodConfig, check_probability_threshold, register_drafter
+from specwise.drafters.base import Drafter, check_probability_threshold, register_drafter
+from specwise.drafters.lookup_graft import LookupGraftConfig, graft_lookup
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.medusa import MedusaConfig, MedusaHeads
 from specwise.models.medusa_tree import tree_from_paths
@@ -39,7 +40,7 @@ ACCEPTANCE_RULES = ("exact", "typical-lossy")
 
 
 @dataclass(frozen=True)
-class MedusaDrafterConfig(MethodConfig):
+class MedusaDrafterConfig(LookupGraftConfig):
     """Options of ``medusa``."""
 
     drafter: str | None = None  # Medusa heads directory; None = the heads shipped for the target
@@ -51,6 +52,7 @@ class MedusaDrafterConfig(MethodConfig):
     min_path_prob: float = 0.15  # verify only nodes whose path probability under the heads reaches this
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.tree_nodes is not None and (not isinstance(self.tree_nodes, int) or self.tree_nodes < 1):
             raise ConfigError(f"tree_nodes must be an integer >= 1, got {self.tree_nodes!r}.")
         if self.acceptance not in ACCEPTANCE_RULES:
@@ -153,6 +155,7 @@ class MedusaDrafter(Drafter):
         self._typical = (TypicalAcceptance(config.posterior_threshold, config.posterior_alpha)
                          if config.acceptance == "typical-lossy" else None)
         self.target_hidden_layers = (heads.config.hidden_layer,)
+        self.eos_token_ids = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long)
         self.reset()
 
     def reset(self) -> None:
@@ -164,8 +167,12 @@ class MedusaDrafter(Drafter):
     def observe(self, feedback: StepFeedback) -> None:
         self._hidden = feedback.hidden_states[self.heads.config.hidden_layer][-1]
 
-    @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> Proposal:
+        return graft_lookup(self._draft_tree(ctx), ctx, self.config, self.eos_token_ids)
+
+    @torch.inference_mode()
+    def _draft_tree(self, ctx: DraftContext) -> Proposal:
+        """The heads' static tree, pruned by ``min_path_prob``."""
         depth = min(self._used_heads, ctx.max_draft_tokens)
         if depth <= 0 or self._hidden is None:
             return Proposal.empty(ctx.token_ids.device)

@@ -74,12 +74,31 @@ class PromptLookupDrafter(Drafter):
         ids = ctx.token_ids
         if budget <= 0:
             return Proposal.empty(ids.device)
-        latest = self.config.match == "latest"
-        for n in range(min(self.config.max_ngram_size, ids.numel() - 1), self.config.min_ngram_size - 1, -1):
-            drafts = lookup_continuation(ids, n, budget, latest)
-            if drafts is not None:
-                return Proposal(_cut_after_eos(drafts, self.eos_token_ids.to(ids.device)))
-        return Proposal.empty(ids.device)
+        drafts = find_continuation(ids, budget, self.config.max_ngram_size, self.config.min_ngram_size,
+                                   self.config.match == "latest", self.eos_token_ids)
+        return Proposal.empty(ids.device) if drafts is None else Proposal(drafts)
+
+
+def find_continuation(token_ids: torch.Tensor, num_tokens: int, max_ngram: int, min_ngram: int,
+                      latest: bool, eos_token_ids: torch.Tensor) -> torch.Tensor | None:
+    """Prompt lookup's draft: what followed the context's longest recurring suffix of ``max_ngram``
+    down to ``min_ngram`` tokens (:func:`lookup_continuation`), cut after its first EOS.
+
+    Args:
+        token_ids: ``[L]`` long context.
+        num_tokens: at most this many tokens are returned (>= 1).
+        max_ngram, min_ngram: suffix lengths tried, longest first.
+        latest: copy from the most recent earlier occurrence instead of the first one.
+        eos_token_ids: ``[E]`` long.
+
+    Returns:
+        ``[1..num_tokens]`` long, or ``None`` when no suffix recurs.
+    """
+    for n in range(min(max_ngram, token_ids.numel() - 1), min_ngram - 1, -1):
+        drafts = lookup_continuation(token_ids, n, num_tokens, latest)
+        if drafts is not None:
+            return _cut_after_eos(drafts, eos_token_ids.to(token_ids.device))
+    return None
 
 
 def _cut_after_eos(tokens: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:

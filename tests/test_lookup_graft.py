@@ -1,0 +1,147 @@
+"""Context lookup grafted onto model drafters' trees (``lookup_tokens``): the trie insert as a pure
+function against a brute-force reference, the graft's edge cases, and decoding that stays exact
+for EAGLE, DFlash and Medusa (greedy token for token; sampled by the distribution test in
+test_sampling_e2e.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import ARCHS, make_target, reference_greedy
+from specwise.drafters.dflash import DFlashDrafter, DFlashDrafterConfig
+from specwise.drafters.eagle import EagleDrafter, EagleDrafterConfig
+from specwise.drafters.lookup_graft import LookupGraftConfig, graft_lookup
+from specwise.drafters.medusa import MedusaDrafter, MedusaDrafterConfig
+from specwise.errors import ConfigError
+from specwise.loop import speculative_generate
+from specwise.sampling import SamplingConfig
+from specwise.tree import DraftTree, graft_chain
+from specwise.types import DraftContext, Proposal
+from test_dflash import make_dflash
+from test_eagle import make_head
+from test_medusa import make_heads, wide_tree
+from test_tree import parents_strategy
+
+NO_EOS = torch.empty(0, dtype=torch.long)
+
+
+def _paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
+    """Every root-to-node token sequence of a tree (node i + 1 holds ``tokens[i]``)."""
+    seqs = {0: ()}
+    for i, (t, p) in enumerate(zip(tokens, parents)):
+        seqs[i + 1] = seqs[p] + (t,)
+    return set(seqs.values())
+
+
+def test_graft_chain_by_hand():
+    # tree: root -> 5 -> 6, root -> 7
+    tokens, parents = torch.tensor([5, 7, 6]), torch.tensor([0, 0, 1])
+    new_tokens, new_parents = graft_chain(tokens, parents, torch.tensor([5, 6, 9, 9]))
+    assert new_tokens.tolist() == [5, 7, 6, 9, 9] and new_parents.tolist() == [0, 0, 1, 3, 4]
+    new_tokens, new_parents = graft_chain(tokens, parents, torch.tensor([5, 8]))
+    assert new_tokens.tolist() == [5, 7, 6, 8] and new_parents.tolist() == [0, 0, 1, 1]
+    # a chain proposal gets its parents; a chain already on the tree adds nothing
+    new_tokens, new_parents = graft_chain(torch.tensor([1, 2]), None, torch.tensor([1, 2]))
+    assert new_tokens.tolist() == [1, 2] and new_parents.tolist() == [0, 1]
+    new_tokens, new_parents = graft_chain(torch.tensor([1, 2]), None, torch.tensor([3]))
+    assert new_tokens.tolist() == [1, 2, 3] and new_parents.tolist() == [0, 1, 0]
+    new_tokens, new_parents = graft_chain(torch.empty(0, dtype=torch.long), None, torch.tensor([4, 4]))
+    assert new_tokens.tolist() == [4, 4] and new_parents.tolist() == [0, 1]
+    new_tokens, new_parents = graft_chain(tokens, parents, torch.empty(0, dtype=torch.long))
+    assert new_tokens.tolist() == tokens.tolist() and new_parents.tolist() == parents.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(parents=parents_strategy(12), data=st.data())
+def test_graft_chain_adds_exactly_the_missing_suffix(parents, data):
+    """The old nodes stay as they were; the result is a valid tree whose paths are the old paths
+    plus the chain's prefixes; nodes added = chain length - its longest prefix already on the tree."""
+    k = len(parents)
+    tokens = list(range(10, 10 + k))  # distinct tokens, so siblings are distinct
+    chain = data.draw(st.lists(st.integers(10, 10 + k + 2), max_size=8))
+    new_tokens, new_parents = graft_chain(torch.tensor(tokens, dtype=torch.long),
+                                          torch.tensor(parents, dtype=torch.long), torch.tensor(chain, dtype=torch.long))
+    assert new_tokens[:k].tolist() == tokens and new_parents[:k].tolist() == list(parents)
+    tree = DraftTree.build(0, new_tokens, new_parents)  # raises unless topologically ordered
+    old_paths = _paths(tokens, list(parents))
+    assert _paths(new_tokens.tolist(), new_parents.tolist()) == old_paths | {tuple(chain[:i]) for i in range(len(chain) + 1)}
+    on_tree = max(i for i in range(len(chain) + 1) if tuple(chain[:i]) in old_paths)
+    assert new_tokens.numel() - k == len(chain) - on_tree
+    for siblings in tree.children:
+        assert len({int(tree.tokens[c]) for c in siblings}) == len(siblings)
+
+
+def _ctx(ids: list[int], budget: int = 10) -> DraftContext:
+    return DraftContext(torch.tensor(ids), budget, SamplingConfig(), None, len(ids) - 1)
+
+
+def test_graft_lookup_edge_cases():
+    ids = [1, 2, 3, 4, 9, 2, 3]  # suffix (2, 3) occurred before, followed by 4, 9, 2, 3
+    tree = Proposal(torch.tensor([4, 8]), parents=torch.tensor([0, 0]))
+    off = LookupGraftConfig()
+    assert graft_lookup(tree, _ctx(ids), off, NO_EOS) is tree
+    on = LookupGraftConfig(lookup_tokens=3)
+    grafted = graft_lookup(tree, _ctx(ids), on, NO_EOS)
+    assert grafted.tokens.tolist() == [4, 8, 9, 2] and grafted.parents.tolist() == [0, 0, 1, 3]
+    # the budget caps the lookup; an EOS ends it; nothing found leaves the proposal as it was
+    assert graft_lookup(tree, _ctx(ids, budget=1), on, NO_EOS) is tree
+    assert graft_lookup(tree, _ctx(ids), on, torch.tensor([9])).tokens.tolist() == [4, 8, 9]
+    assert graft_lookup(tree, _ctx([1, 2, 3, 4, 5]), LookupGraftConfig(lookup_tokens=3, lookup_min_ngram=1), NO_EOS) is tree
+    empty = Proposal.empty()
+    chain = graft_lookup(empty, _ctx(ids), on, NO_EOS)
+    assert chain.tokens.tolist() == [4, 9, 2] and chain.parents.tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="delta"):
+        graft_lookup(Proposal(torch.tensor([4]), draft_probs=torch.ones(1, 10) / 10), _ctx(ids), on, NO_EOS)
+
+
+@pytest.mark.parametrize("bad", [dict(lookup_tokens=-1), dict(lookup_tokens=True), dict(lookup_min_ngram=0),
+                                 dict(lookup_min_ngram=4, lookup_max_ngram=3)])
+def test_lookup_options_are_validated(bad):
+    for config_cls in (LookupGraftConfig, EagleDrafterConfig, DFlashDrafterConfig, MedusaDrafterConfig):
+        with pytest.raises(ConfigError, match="lookup"):
+            config_cls(**bad)
+
+
+def _repetitive_prompt() -> torch.Tensor:
+    """A prompt whose n-grams recur, so the lookup finds continuations from the first step."""
+    g = torch.Generator().manual_seed(4)
+    piece = torch.randint(3, 120, (7,), generator=g)
+    return torch.cat([piece, torch.randint(3, 120, (3,), generator=g), piece, piece[:3]])
+
+
+def _drafters(target, lookup_tokens: int) -> dict:
+    common = dict(lookup_tokens=lookup_tokens, lookup_min_ngram=1)
+    return {
+        "eagle": EagleDrafter(target, EagleDrafterConfig(depth=3, tree_top_k=3, total_tokens=6, min_path_prob=0.02,
+                                                         **common), head=make_head(target, window=8)),
+        "dflash": DFlashDrafter(target, DFlashDrafterConfig(min_path_prob=0.0, **common),
+                                model=make_dflash(target, 4, 8)),
+        "medusa": MedusaDrafter(target, MedusaDrafterConfig(min_path_prob=0.0, **common),
+                                heads=make_heads(target, num_heads=3, num_layers=2), tree=wide_tree(3, 2)),
+    }
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method", ["eagle", "dflash", "medusa"])
+def test_greedy_with_a_grafted_lookup_equals_plain_decoding(arch, method, monkeypatch):
+    import importlib
+
+    module = importlib.import_module(f"specwise.drafters.{method}")
+    grafted = []
+
+    def counting_graft(proposal, *args):
+        out = graft_lookup(proposal, *args)
+        grafted.append(out.tokens.numel() - proposal.tokens.numel())
+        return out
+
+    monkeypatch.setattr(module, "graft_lookup", counting_graft)
+    target = make_target(arch, eos=(), attn_implementation="sdpa")
+    prompt = _repetitive_prompt()
+    drafter = _drafters(target, lookup_tokens=6)[method]
+    tokens, _, _ = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    assert tokens == reference_greedy(target.model, prompt, 30)
+    assert sum(n > 0 for n in grafted) >= 2  # steps that verified lookup nodes beside the drafter's
