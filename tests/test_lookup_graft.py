@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 from conftest import ARCHS, make_target, reference_greedy
 from specwise.drafters.dflash import DFlashDrafter, DFlashDrafterConfig
 from specwise.drafters.eagle import EagleDrafter, EagleDrafterConfig
-from specwise.drafters.lookup_graft import LookupGraftConfig, graft_lookup
+from specwise.drafters.lookup_graft import LOOKUP_PRIOR, LookupGraft, LookupGraftConfig, lookup_length
 from specwise.drafters.medusa import MedusaDrafter, MedusaDrafterConfig
 from specwise.errors import ConfigError
 from specwise.loop import speculative_generate
 from specwise.sampling import SamplingConfig
 from specwise.tree import DraftTree, graft_chain
-from specwise.types import DraftContext, Proposal
+from specwise.types import DraftContext, Proposal, StepFeedback
 from test_dflash import make_dflash
 from test_eagle import make_head
 from test_medusa import make_heads, wide_tree
@@ -79,23 +79,54 @@ def _ctx(ids: list[int], budget: int = 10) -> DraftContext:
     return DraftContext(torch.tensor(ids), budget, SamplingConfig(), None, len(ids) - 1)
 
 
-def test_graft_lookup_edge_cases():
+def _graft(proposal: Proposal, ids: list[int], budget: int = 10, eos=NO_EOS, **options) -> Proposal:
+    config = LookupGraftConfig(**{"lookup_min_prob": 0.0, **options})
+    return LookupGraft(config, eos).graft(proposal, _ctx(ids, budget))
+
+
+def test_graft_edge_cases():
     ids = [1, 2, 3, 4, 9, 2, 3]  # suffix (2, 3) occurred before, followed by 4, 9, 2, 3
     tree = Proposal(torch.tensor([4, 8]), parents=torch.tensor([0, 0]))
-    off = LookupGraftConfig()
-    assert graft_lookup(tree, _ctx(ids), off, NO_EOS) is tree
-    on = LookupGraftConfig(lookup_tokens=3)
-    grafted = graft_lookup(tree, _ctx(ids), on, NO_EOS)
+    assert _graft(tree, ids) is tree  # lookup_tokens=0: off
+    grafted = _graft(tree, ids, lookup_tokens=3)
     assert grafted.tokens.tolist() == [4, 8, 9, 2] and grafted.parents.tolist() == [0, 0, 1, 3]
     # the budget caps the lookup; an EOS ends it; nothing found leaves the proposal as it was
-    assert graft_lookup(tree, _ctx(ids, budget=1), on, NO_EOS) is tree
-    assert graft_lookup(tree, _ctx(ids), on, torch.tensor([9])).tokens.tolist() == [4, 8, 9]
-    assert graft_lookup(tree, _ctx([1, 2, 3, 4, 5]), LookupGraftConfig(lookup_tokens=3, lookup_min_ngram=1), NO_EOS) is tree
-    empty = Proposal.empty()
-    chain = graft_lookup(empty, _ctx(ids), on, NO_EOS)
+    assert _graft(tree, ids, budget=1, lookup_tokens=3) is tree
+    assert _graft(tree, ids, eos=torch.tensor([9]), lookup_tokens=3).tokens.tolist() == [4, 8, 9]
+    assert _graft(tree, [1, 2, 3, 4, 5], lookup_tokens=3, lookup_min_ngram=1) is tree
+    chain = _graft(Proposal.empty(), ids, lookup_tokens=3)
     assert chain.tokens.tolist() == [4, 9, 2] and chain.parents.tolist() == [0, 1, 2]
     with pytest.raises(ValueError, match="delta"):
-        graft_lookup(Proposal(torch.tensor([4]), draft_probs=torch.ones(1, 10) / 10), _ctx(ids), on, NO_EOS)
+        _graft(Proposal(torch.tensor([4]), draft_probs=torch.ones(1, 10) / 10), ids, lookup_tokens=3)
+
+
+def test_lookup_length_follows_the_geometric_model():
+    assert lookup_length(2, 1, 10, 0.0) == 10 and lookup_length(2, 1, 0, 0.1) == 0
+    for accepted, rejections in [(2, 1), (9, 1), (1, 9), (50, 1)]:
+        a = accepted / (accepted + rejections)
+        d = lookup_length(accepted, rejections, 100, 0.1)
+        assert d == 1 or a ** d >= 0.1 - 1e-12
+        assert d == 100 or a ** (d + 1) < 0.1
+    assert lookup_length(1, 99, 8, 0.1) == 1  # never less than one token
+    assert lookup_length(99, 1, 8, 0.1) == 8  # never more than the cap
+
+
+def test_the_lookup_grows_while_accepted_and_shrinks_when_rejected():
+    ids = list(range(3, 23)) * 2  # the second copy repeats the first: the lookup always matches
+    graft = LookupGraft(LookupGraftConfig(lookup_tokens=12, lookup_min_prob=0.1), NO_EOS)
+    start = lookup_length(*LOOKUP_PRIOR, 12, 0.1)
+    lengths = []
+    for _ in range(4):  # the target accepts every lookup token
+        chain = graft.graft(Proposal.empty(), _ctx(ids, budget=20)).tokens.tolist()
+        lengths.append(len(chain))
+        graft.observe(StepFeedback(torch.tensor(ids + chain + [99]), len(chain), len(chain), len(ids)))
+    assert lengths[0] == start and lengths[-1] == 12 and lengths == sorted(lengths)
+    for _ in range(10):  # the target rejects the first lookup token every time
+        chain = graft.graft(Proposal.empty(), _ctx(ids, budget=20)).tokens.tolist()
+        graft.observe(StepFeedback(torch.tensor(ids + [99]), len(chain), 0, len(ids)))
+    assert len(graft.graft(Proposal.empty(), _ctx(ids, budget=20)).tokens) < start
+    graft.reset()
+    assert len(graft.graft(Proposal.empty(), _ctx(ids, budget=20)).tokens) == start
 
 
 @pytest.mark.parametrize("bad", [dict(lookup_tokens=-1), dict(lookup_tokens=True), dict(lookup_min_ngram=0),
@@ -114,7 +145,7 @@ def _repetitive_prompt() -> torch.Tensor:
 
 
 def _drafters(target, lookup_tokens: int) -> dict:
-    common = dict(lookup_tokens=lookup_tokens, lookup_min_ngram=1)
+    common = dict(lookup_tokens=lookup_tokens, lookup_min_ngram=1, lookup_min_prob=0.05)
     return {
         "eagle": EagleDrafter(target, EagleDrafterConfig(depth=3, tree_top_k=3, total_tokens=6, min_path_prob=0.02,
                                                          **common), head=make_head(target, window=8)),
@@ -128,17 +159,15 @@ def _drafters(target, lookup_tokens: int) -> dict:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("method", ["eagle", "dflash", "medusa"])
 def test_greedy_with_a_grafted_lookup_equals_plain_decoding(arch, method, monkeypatch):
-    import importlib
-
-    module = importlib.import_module(f"specwise.drafters.{method}")
     grafted = []
+    original = LookupGraft.graft
 
-    def counting_graft(proposal, *args):
-        out = graft_lookup(proposal, *args)
+    def counting_graft(self, proposal, ctx):
+        out = original(self, proposal, ctx)
         grafted.append(out.tokens.numel() - proposal.tokens.numel())
         return out
 
-    monkeypatch.setattr(module, "graft_lookup", counting_graft)
+    monkeypatch.setattr(LookupGraft, "graft", counting_graft)
     target = make_target(arch, eos=(), attn_implementation="sdpa")
     prompt = _repetitive_prompt()
     drafter = _drafters(target, lookup_tokens=6)[method]

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from specwise.drafters.base import Drafter, check_probability_threshold, register_drafter
-from specwise.drafters.lookup_graft import LookupGraftConfig, graft_lookup
+from specwise.drafters.lookup_graft import LookupGraft, LookupGraftConfig
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.dflash import DFlashConfig, DFlashModel
 from specwise.models.eagle import HeadCache
@@ -133,10 +133,11 @@ class DFlashDrafter(Drafter):
         tuned = getattr(model, "default_draft_tokens", None)
         self.num_draft_tokens = min(config.num_draft_tokens or tuned or drafts, drafts)
         self.target_hidden_layers = tuple(model.config.feature_layers)
-        self.eos_token_ids = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long)
+        self.lookup = LookupGraft(config, torch.tensor(sorted(target.eos_token_ids), dtype=torch.long))
         self.reset()
 
     def reset(self) -> None:
+        self.lookup.reset()
         cfg, dtype, device = self.model.config, self.model.dtype, self.model.fc.weight.device
         self.caches = [HeadCache(cfg.num_heads, cfg.head_dim, dtype, device) for _ in range(cfg.num_layers)]
         self._pending: list[torch.Tensor] = []  # [n, F*H] target features not yet in the caches
@@ -148,6 +149,7 @@ class DFlashDrafter(Drafter):
         self._queue(ctx.hidden_states)
 
     def observe(self, feedback: StepFeedback) -> None:
+        self.lookup.observe(feedback)
         self._queue(feedback.hidden_states)
 
     @torch.inference_mode()
@@ -163,7 +165,7 @@ class DFlashDrafter(Drafter):
             cache.append(k, v)
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        return graft_lookup(self._draft_block(ctx), ctx, self.config, self.eos_token_ids)
+        return self.lookup.graft(self._draft_block(ctx), ctx)
 
     @torch.inference_mode()
     def _draft_block(self, ctx: DraftContext) -> Proposal:

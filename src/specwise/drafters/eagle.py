@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from specwise.drafters.base import Drafter, check_probability_threshold, register_drafter
-from specwise.drafters.lookup_graft import LookupGraftConfig, graft_lookup
+from specwise.drafters.lookup_graft import LookupGraft, LookupGraftConfig
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.eagle import EagleConfig, EagleHead, HeadCache
 from specwise.tree import best_nodes_tree, log_threshold
@@ -118,10 +118,11 @@ class EagleDrafter(Drafter):
                               f"({head.config.draft_vocab_size} tokens).")
         self.head = head
         self.target_hidden_layers = tuple(head.config.feature_layers)
-        self.eos_token_ids = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long)
+        self.lookup = LookupGraft(config, torch.tensor(sorted(target.eos_token_ids), dtype=torch.long))
         self.reset()
 
     def reset(self) -> None:
+        self.lookup.reset()
         cfg = self.head.config
         self.cache = HeadCache(cfg.num_heads, cfg.head_dim, self.head.fc.weight.dtype, self.head.fc.weight.device)
         self._pending_features: list[torch.Tensor] = []  # [n, F*H] fused target features not yet cached
@@ -136,6 +137,7 @@ class EagleDrafter(Drafter):
         self._queue(ctx.hidden_states, ctx.token_ids[1:])
 
     def observe(self, feedback: StepFeedback) -> None:
+        self.lookup.observe(feedback)
         kept = feedback.num_accepted + 1  # the old root and the accepted drafts
         self._queue(feedback.hidden_states, feedback.token_ids[-kept:])
 
@@ -159,7 +161,7 @@ class EagleDrafter(Drafter):
         return head.finish(feature[-1:], attended)[0]
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        return graft_lookup(self._draft_tree(ctx), ctx, self.config, self.eos_token_ids)
+        return self.lookup.graft(self._draft_tree(ctx), ctx)
 
     @torch.inference_mode()
     def _draft_tree(self, ctx: DraftContext) -> Proposal:

@@ -1,33 +1,51 @@
 """Context lookup grafted onto a model drafter's tree (ALGORITHMS.md §6, §2).
 
 A small target repeats and copies its context often (a summary quotes its document, code repeats
-names, a list repeats its pattern); a trained drafter predicts the next few tokens from features
-but cannot see far back. The graft adds what prompt lookup (``pld``) would draft — the tokens that
-followed the latest earlier occurrence of the context's last n-gram — to the model's draft tree as
-one more path from the root (:func:`specwise.tree.graft_chain`), and the target verifies both in the
-same forward. Every node stays a deterministic proposal, so greedy and sampled outputs stay exact.
+names, a greedy generation falls into a loop); a trained drafter predicts the next few tokens from
+features but cannot see far back. The graft adds what prompt lookup (``pld``) would draft — the
+tokens that followed the latest earlier occurrence of the context's last n-gram — to the model's
+draft tree as one more path from the root (:func:`specwise.tree.graft_chain`), and the target
+verifies both in the same forward. Every node stays a deterministic proposal, so greedy and sampled
+outputs stay exact.
+
+How many lookup tokens are verified adapts per generation. Each lookup token is accepted with an
+estimated probability ``a`` given that the ones before it were (a geometric model): ``a`` is the
+accepted lookup tokens over accepted ones plus the steps that rejected a lookup token, both counted
+with weights decaying by ``LOOKUP_DECAY`` a step (a generation moves in and out of copying) and
+with the pseudo-counts ``LOOKUP_PRIOR`` added. The d-th lookup token is verified
+only while ``a ** d >= lookup_min_prob``: when the target keeps copying (a loop, a quoted passage)
+the chain grows to ``lookup_tokens``; when copies stop being accepted (sampling at a high
+temperature, free text) it shrinks to a token or two, so it costs little where it does not pay.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from specwise.drafters.base import MethodConfig
+from specwise.drafters.base import MethodConfig, check_probability_threshold
 from specwise.drafters.prompt_lookup import find_continuation
 from specwise.errors import ConfigError
 from specwise.tree import graft_chain
-from specwise.types import DraftContext, Proposal
+from specwise.types import DraftContext, Proposal, StepFeedback
+
+#: pseudo-counts (accepted lookup tokens, rejecting steps) added to the observed ones: a = 2/3 at first
+LOOKUP_PRIOR = (2.0, 1.0)
+#: weight of the counts after each further step with a lookup (the last ~5 such steps count most)
+LOOKUP_DECAY = 0.8
 
 
 @dataclass(frozen=True)
 class LookupGraftConfig(MethodConfig):
     """The context-lookup options of a model drafter (off with ``lookup_tokens=0``)."""
 
-    lookup_tokens: int = 0  # tokens of the context's continuation added to the tree (0 = no lookup)
+    lookup_tokens: int = 0  # most tokens of the context's continuation added to the tree (0 = no lookup)
     lookup_max_ngram: int = 3  # longest context suffix matched first
-    lookup_min_ngram: int = 2  # shortest suffix matched (1 matches almost always, and rarely pays)
+    lookup_min_ngram: int = 2  # shortest suffix matched
+    # verify lookup token d while (estimated per-token acceptance) ** d reaches this; 0 = all lookup_tokens
+    lookup_min_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if not isinstance(self.lookup_tokens, int) or isinstance(self.lookup_tokens, bool) or self.lookup_tokens < 0:
@@ -36,37 +54,91 @@ class LookupGraftConfig(MethodConfig):
                 and 1 <= self.lookup_min_ngram <= self.lookup_max_ngram):
             raise ConfigError(f"need integers 1 <= lookup_min_ngram <= lookup_max_ngram, got "
                               f"{self.lookup_min_ngram!r} and {self.lookup_max_ngram!r}.")
+        check_probability_threshold("lookup_min_prob", self.lookup_min_prob)
 
 
-def graft_lookup(proposal: Proposal, ctx: DraftContext, config: LookupGraftConfig,
-                 eos_token_ids: torch.Tensor) -> Proposal:
-    """Add the context's continuation after its last n-gram to a drafter's proposal.
+def lookup_length(accepted: float, rejections: float, max_tokens: int, min_prob: float) -> int:
+    """How many lookup tokens to verify under the geometric acceptance model.
 
     Args:
-        proposal: a chain or tree of delta proposals (``draft_probs`` is ``None``).
-        ctx: the drafting context; the lookup searches ``ctx.token_ids`` and drafts at most
-            ``min(config.lookup_tokens, ctx.max_draft_tokens)`` tokens, cut after an EOS.
-        config: the lookup options.
-        eos_token_ids: ``[E]`` long, the target's EOS ids.
+        accepted: (weighted) lookup tokens accepted, prior pseudo-count included (> 0).
+        rejections: (weighted) steps that rejected a lookup token, prior included (> 0).
+        max_tokens: the most to verify.
+        min_prob: the least estimated probability of reaching and accepting the last one verified.
 
     Returns:
-        ``proposal`` itself when lookup is off or finds nothing; otherwise a tree proposal whose
-        first nodes are ``proposal``'s (same order) and whose new nodes hold the lookup's tokens.
-
-    Raises:
-        ValueError: ``proposal`` carries draft probabilities or auxiliary tokens (only delta
-            proposals can be merged exactly).
+        the largest ``d <= max_tokens`` with ``a ** d >= min_prob``, ``a = accepted / (accepted +
+        rejections)``; ``max_tokens`` when ``min_prob`` is 0, and at least 1 when ``max_tokens`` is.
     """
-    budget = min(config.lookup_tokens, ctx.max_draft_tokens)
-    if budget <= 0:
-        return proposal
-    if proposal.draft_probs is not None or proposal.auxiliary is not None:
-        raise ValueError("a lookup can only be grafted onto delta proposals without auxiliary tokens")
-    chain = find_continuation(ctx.token_ids, budget, config.lookup_max_ngram, config.lookup_min_ngram,
-                              latest=True, eos_token_ids=eos_token_ids)
-    if chain is None:
-        return proposal
-    tokens, parents = graft_chain(proposal.tokens, proposal.parents, chain)
-    if tokens.numel() == proposal.tokens.numel():
-        return proposal  # the tree already held the whole continuation
-    return Proposal(tokens, parents=parents, typical=proposal.typical)
+    if min_prob <= 0 or max_tokens <= 0:
+        return max(max_tokens, 0)
+    a = accepted / (accepted + rejections)
+    return max(1, min(max_tokens, int(math.log(min_prob) / math.log(a) + 1e-9)))
+
+
+class LookupGraft:
+    """Per-generation state of the graft: the decayed acceptance counts of the lookup's tokens.
+
+    Args:
+        config: the drafter's :class:`LookupGraftConfig`.
+        eos_token_ids: ``[E]`` long, the target's EOS ids (a lookup is cut after one).
+    """
+
+    def __init__(self, config: LookupGraftConfig, eos_token_ids: torch.Tensor) -> None:
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.reset()
+
+    def reset(self) -> None:
+        self.accepted, self.rejections = 0.0, 0.0  # decayed counts, the prior not included
+        self._chain: list[int] = []  # the lookup tokens verified this step
+
+    def graft(self, proposal: Proposal, ctx: DraftContext) -> Proposal:
+        """Add the context's continuation after its last n-gram to a drafter's proposal.
+
+        Args:
+            proposal: a chain or tree of delta proposals (``draft_probs`` is ``None``).
+            ctx: the drafting context; the lookup searches ``ctx.token_ids`` and drafts at most
+                ``ctx.max_draft_tokens`` tokens, cut after an EOS.
+
+        Returns:
+            ``proposal`` itself when lookup is off or finds nothing new; otherwise a tree proposal
+            whose first nodes are ``proposal``'s (same order) and whose new nodes hold the lookup's
+            tokens.
+
+        Raises:
+            ValueError: ``proposal`` carries draft probabilities or auxiliary tokens (only delta
+                proposals can be merged exactly).
+        """
+        cfg = self.config
+        self._chain = []
+        prior_accepted, prior_rejections = LOOKUP_PRIOR
+        length = lookup_length(self.accepted + prior_accepted, self.rejections + prior_rejections,
+                               cfg.lookup_tokens, cfg.lookup_min_prob)
+        budget = min(length, ctx.max_draft_tokens)
+        if budget <= 0:
+            return proposal
+        if proposal.draft_probs is not None or proposal.auxiliary is not None:
+            raise ValueError("a lookup can only be grafted onto delta proposals without auxiliary tokens")
+        chain = find_continuation(ctx.token_ids, budget, cfg.lookup_max_ngram, cfg.lookup_min_ngram,
+                                  latest=True, eos_token_ids=self.eos_token_ids)
+        if chain is None:
+            return proposal
+        self._chain = chain.tolist()
+        tokens, parents = graft_chain(proposal.tokens, proposal.parents, chain)
+        if tokens.numel() == proposal.tokens.numel():
+            return proposal  # the tree already held the whole continuation
+        return Proposal(tokens, parents=parents, typical=proposal.typical)
+
+    def observe(self, feedback: StepFeedback) -> None:
+        """Count how much of this step's lookup the target accepted (its leading tokens that
+        match the committed ones)."""
+        if not self._chain:
+            return
+        committed = feedback.token_ids[-(feedback.num_accepted + 1):].tolist()  # accepted drafts, new root
+        matched = 0
+        while matched < len(self._chain) and self._chain[matched] == committed[matched]:
+            matched += 1
+        self.accepted = LOOKUP_DECAY * self.accepted + matched
+        self.rejections = LOOKUP_DECAY * self.rejections + (matched < len(self._chain))
+        self._chain = []

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from specwise.drafters.base import Drafter, check_probability_threshold, register_drafter
-from specwise.drafters.lookup_graft import LookupGraftConfig, graft_lookup
+from specwise.drafters.lookup_graft import LookupGraft, LookupGraftConfig
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.medusa import MedusaConfig, MedusaHeads
 from specwise.models.medusa_tree import tree_from_paths
@@ -155,20 +155,22 @@ class MedusaDrafter(Drafter):
         self._typical = (TypicalAcceptance(config.posterior_threshold, config.posterior_alpha)
                          if config.acceptance == "typical-lossy" else None)
         self.target_hidden_layers = (heads.config.hidden_layer,)
-        self.eos_token_ids = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long)
+        self.lookup = LookupGraft(config, torch.tensor(sorted(target.eos_token_ids), dtype=torch.long))
         self.reset()
 
     def reset(self) -> None:
+        self.lookup.reset()
         self._hidden: torch.Tensor | None = None  # [H] the target's final hidden state at the root's parent
 
     def prefill(self, ctx: DraftContext) -> None:
         self._hidden = ctx.hidden_states[self.heads.config.hidden_layer][-1]
 
     def observe(self, feedback: StepFeedback) -> None:
+        self.lookup.observe(feedback)
         self._hidden = feedback.hidden_states[self.heads.config.hidden_layer][-1]
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        return graft_lookup(self._draft_tree(ctx), ctx, self.config, self.eos_token_ids)
+        return self.lookup.graft(self._draft_tree(ctx), ctx)
 
     @torch.inference_mode()
     def _draft_tree(self, ctx: DraftContext) -> Proposal:
