@@ -104,7 +104,7 @@ def test_drafting_equals_the_training_forward_and_the_cache_follows_the_accepted
     target = make_target(arch, eos=(), attn_implementation="sdpa")
     model = make_dflash(target, block_size=5, window=6)
     prompt = random_prompt(9, seed=3)
-    drafter = DFlashDrafter(target, DFlashDrafterConfig(min_path_prob=0.0), model=model)
+    drafter = DFlashDrafter(target, DFlashDrafterConfig(lookup_tokens=0, min_path_prob=0.0), model=model)
     tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=25, sampling=SamplingConfig())
     assert stats.target_forwards > 1
     committed = torch.cat([prompt, torch.tensor(tokens)])
@@ -128,7 +128,7 @@ def test_drafting_equals_the_training_forward_and_the_cache_follows_the_accepted
 @pytest.mark.parametrize("block_size,window", [(2, 64), (4, 8), (8, 64), (16, 3)])
 def test_greedy_equals_plain_decoding(arch, block_size, window):
     target = make_target(arch, eos=(), attn_implementation="sdpa")
-    drafter = DFlashDrafter(target, DFlashDrafterConfig(min_path_prob=0.0), model=make_dflash(target, block_size, window))
+    drafter = DFlashDrafter(target, DFlashDrafterConfig(lookup_tokens=0, min_path_prob=0.0), model=make_dflash(target, block_size, window))
     prompt = random_prompt(20, seed=2)
     tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
     assert tokens == reference_greedy(target.model, prompt, 30)
@@ -139,7 +139,7 @@ def test_greedy_equals_plain_decoding(arch, block_size, window):
 @pytest.mark.parametrize("block_size,tree_top_k,total_tokens", [(4, 2, 4), (8, 3, 8), (6, 4, 16)])
 def test_greedy_with_a_draft_tree_equals_plain_decoding(arch, block_size, tree_top_k, total_tokens):
     target = make_target(arch, eos=(), attn_implementation="sdpa")
-    config = DFlashDrafterConfig(min_path_prob=0.0, tree_top_k=tree_top_k, total_tokens=total_tokens)
+    config = DFlashDrafterConfig(lookup_tokens=0, min_path_prob=0.0, tree_top_k=tree_top_k, total_tokens=total_tokens)
     drafter = DFlashDrafter(target, config, model=make_dflash(target, block_size, window=8))
     prompt = random_prompt(20, seed=3)
     tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
@@ -153,7 +153,7 @@ def test_the_draft_tree_follows_the_block_distributions():
     target = make_target("llama", eos=())
     model = make_dflash(target, block_size=5)
     k, total = 3, 9
-    drafter = DFlashDrafter(target, DFlashDrafterConfig(min_path_prob=0.0, tree_top_k=k, total_tokens=total), model=model)
+    drafter = DFlashDrafter(target, DFlashDrafterConfig(lookup_tokens=0, min_path_prob=0.0, tree_top_k=k, total_tokens=total), model=model)
     torch.manual_seed(0)
     logits = torch.randn(4, VOCAB_D, dtype=torch.float64)
     proposal = drafter._tree(logits)
@@ -195,16 +195,16 @@ def test_min_path_prob_cuts_the_chain_and_the_tree_where_the_path_probability_fa
     logits = 3 * torch.randn(5, VOCAB_D, dtype=torch.float64)
     path = torch.log_softmax(logits, dim=-1).max(dim=-1).values.cumsum(0).exp()  # argmax chain's path probabilities
     for threshold in (0.0, float(path[1]) * 0.999, float(path[1]) * 1.001, 0.999):
-        config = DFlashDrafterConfig(min_path_prob=threshold)
+        config = DFlashDrafterConfig(lookup_tokens=0, min_path_prob=threshold)
         chain = DFlashDrafter(target, config, model=model)._chain(logits).tokens
         keep = int((path >= threshold).sum())
         assert chain.tolist() == model.vocab[logits.argmax(-1)][:keep].tolist()
-    full = DFlashDrafter(target, DFlashDrafterConfig(min_path_prob=0.0, tree_top_k=3, total_tokens=9), model=model)._tree(logits)
-    cut = DFlashDrafter(target, DFlashDrafterConfig(tree_top_k=3, total_tokens=9, min_path_prob=float(path[1]) * 0.999),
+    full = DFlashDrafter(target, DFlashDrafterConfig(lookup_tokens=0, min_path_prob=0.0, tree_top_k=3, total_tokens=9), model=model)._tree(logits)
+    cut = DFlashDrafter(target, DFlashDrafterConfig(tree_top_k=3, total_tokens=9, lookup_tokens=0, min_path_prob=float(path[1]) * 0.999),
                         model=model)._tree(logits)
     assert 2 <= cut.tokens.numel() < full.tokens.numel()
     assert full.tokens[: 1].tolist() == cut.tokens[:1].tolist()  # the argmax chain's first node survives
-    empty = DFlashDrafter(target, DFlashDrafterConfig(tree_top_k=3, min_path_prob=0.999), model=model)._tree(logits)
+    empty = DFlashDrafter(target, DFlashDrafterConfig(tree_top_k=3, lookup_tokens=0, min_path_prob=0.999), model=model)._tree(logits)
     assert empty.tokens.numel() == 0
     with pytest.raises(ConfigError, match="min_path_prob"):
         DFlashDrafterConfig(min_path_prob=1.0)
@@ -214,7 +214,7 @@ def test_min_path_prob_cuts_the_chain_and_the_tree_where_the_path_probability_fa
 @pytest.mark.parametrize("tree_top_k,min_path_prob", [(1, 0.02), (1, 0.5), (3, 0.005)])
 def test_greedy_with_a_dynamic_length_equals_plain_decoding(arch, tree_top_k, min_path_prob):
     target = make_target(arch, eos=(), attn_implementation="sdpa")
-    config = DFlashDrafterConfig(tree_top_k=tree_top_k, total_tokens=8, min_path_prob=min_path_prob)
+    config = DFlashDrafterConfig(tree_top_k=tree_top_k, total_tokens=8, lookup_tokens=0, min_path_prob=min_path_prob)
     drafter = DFlashDrafter(target, config, model=make_dflash(target, block_size=6, window=8))
     prompt = random_prompt(20, seed=3)
     tokens, _, _ = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
@@ -228,7 +228,7 @@ def test_greedy_accepts_when_the_drafter_guesses_right(monkeypatch):
     model = make_dflash(target, block_size=6)
     prompt = random_prompt(10, seed=6)
     truth = reference_greedy(target.model, prompt, 40)
-    drafter = DFlashDrafter(target, DFlashDrafterConfig(min_path_prob=0.0), model=model)
+    drafter = DFlashDrafter(target, DFlashDrafterConfig(lookup_tokens=0, min_path_prob=0.0), model=model)
     real_propose = drafter.propose
 
     def oracle(ctx):
@@ -252,7 +252,7 @@ def test_eos_inside_a_block_stops_generation_there():
     target.eos_token_ids = frozenset({eos})
     stop = truth.index(eos)
     model = make_dflash(target, block_size=8)
-    drafter = DFlashDrafter(target, DFlashDrafterConfig(min_path_prob=0.0), model=model)
+    drafter = DFlashDrafter(target, DFlashDrafterConfig(lookup_tokens=0, min_path_prob=0.0), model=model)
     result = specwise.generate(target, prompt, drafter=drafter, max_new_tokens=30)
     assert result.token_ids == truth[: stop + 1] and result.stop_reason == "eos"
 

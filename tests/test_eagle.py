@@ -99,7 +99,7 @@ def reference_tree(head: EagleHead, features, next_ids, depth: int, k: int, tota
 def _prefilled(target, head, ids: torch.Tensor, **options) -> EagleDrafter:
     """A drafter told the committed tokens ``ids`` (the last one is the root); a fixed budget unless
     ``min_path_prob`` is given."""
-    drafter = EagleDrafter(target, EagleDrafterConfig(**{"min_path_prob": 0.0, **options}), head=head)
+    drafter = EagleDrafter(target, EagleDrafterConfig(**{"min_path_prob": 0.0, "lookup_tokens": 0, **options}), head=head)
     out = target.model(input_ids=ids[None, :-1], output_hidden_states=True)
     hidden = {i: out.hidden_states[i][0] for i in LAYERS}
     drafter.prefill(DraftContext(ids, 0, SamplingConfig(), None, ids.numel() - 1, hidden))
@@ -163,7 +163,7 @@ def test_feature_taps_match_the_targets_hidden_states(arch):
             super()._queue(hidden_states, next_tokens)
 
     prompt = random_prompt(12, seed=3)
-    drafter = Tap(target, EagleDrafterConfig(min_path_prob=0.0, depth=3, tree_top_k=16, total_tokens=20), head=make_head(target))
+    drafter = Tap(target, EagleDrafterConfig(lookup_tokens=0, min_path_prob=0.0, depth=3, tree_top_k=16, total_tokens=20), head=make_head(target))
     tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=20, sampling=SamplingConfig())
     committed = torch.cat([prompt, torch.tensor(tokens)])
     taps = torch.cat(seen)
@@ -265,7 +265,7 @@ def test_head_cache_after_partial_acceptance_equals_a_fresh_run(arch):
     target = make_target(arch, eos=(), attn_implementation="sdpa")
     head = make_head(target, window=10)
     prompt = random_prompt(9, seed=11)
-    drafter = EagleDrafter(target, EagleDrafterConfig(min_path_prob=0.0, depth=4, tree_top_k=24, total_tokens=30), head=head)
+    drafter = EagleDrafter(target, EagleDrafterConfig(lookup_tokens=0, min_path_prob=0.0, depth=4, tree_top_k=24, total_tokens=30), head=head)
     tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=24, sampling=SamplingConfig())
     partial = [a for a in stats.accepted_lengths if 0 < a]
     assert partial and stats.accepted_tokens < stats.drafted_tokens  # some accepted, some rejected
@@ -289,7 +289,7 @@ def test_greedy_equals_plain_decoding(arch, depth, k, total):
     target = make_target(arch, eos=(), attn_implementation="sdpa")
     head = make_head(target, window=8)  # windowed: the prompt and the generation outrun it
     prompt = random_prompt(20, seed=2)
-    drafter = EagleDrafter(target, EagleDrafterConfig(min_path_prob=0.0, depth=depth, tree_top_k=k, total_tokens=total), head=head)
+    drafter = EagleDrafter(target, EagleDrafterConfig(lookup_tokens=0, min_path_prob=0.0, depth=depth, tree_top_k=k, total_tokens=total), head=head)
     tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
     assert tokens == reference_greedy(target.model, prompt, 30)
     assert max(len(stats.drafted_by_position), 1) <= depth
@@ -302,7 +302,7 @@ def test_greedy_with_a_dynamic_budget_equals_plain_decoding(arch, min_path_prob)
     target = make_target(arch, eos=(), attn_implementation="sdpa")
     head = make_head(target, window=8)
     prompt = random_prompt(20, seed=2)
-    config = EagleDrafterConfig(depth=4, tree_top_k=8, total_tokens=16, min_path_prob=min_path_prob)
+    config = EagleDrafterConfig(depth=4, tree_top_k=8, total_tokens=16, lookup_tokens=0, min_path_prob=min_path_prob)
     tokens, _, stats = speculative_generate(target, EagleDrafter(target, config, head=head), prompt,
                                             max_new_tokens=30, sampling=SamplingConfig())
     assert tokens == reference_greedy(target.model, prompt, 30)

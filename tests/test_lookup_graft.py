@@ -87,7 +87,7 @@ def _graft(proposal: Proposal, ids: list[int], budget: int = 10, eos=NO_EOS, **o
 def test_graft_edge_cases():
     ids = [1, 2, 3, 4, 9, 2, 3]  # suffix (2, 3) occurred before, followed by 4, 9, 2, 3
     tree = Proposal(torch.tensor([4, 8]), parents=torch.tensor([0, 0]))
-    assert _graft(tree, ids) is tree  # lookup_tokens=0: off
+    assert _graft(tree, ids, lookup_tokens=0) is tree  # off
     grafted = _graft(tree, ids, lookup_tokens=3)
     assert grafted.tokens.tolist() == [4, 8, 9, 2] and grafted.parents.tolist() == [0, 0, 1, 3]
     # the budget caps the lookup; an EOS ends it; nothing found leaves the proposal as it was

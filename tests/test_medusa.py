@@ -109,7 +109,7 @@ def test_proposal_takes_each_depths_tokens_from_its_heads_ranking():
     target = make_target("llama")
     heads = make_heads(target)
     tree = MedusaTree(((0,), (1,), (0, 0), (0, 2), (1, 0), (0, 0, 3)), 6)
-    drafter = MedusaDrafter(target, MedusaDrafterConfig(min_path_prob=0.0), heads=heads, tree=tree)
+    drafter = MedusaDrafter(target, MedusaDrafterConfig(lookup_tokens=0, min_path_prob=0.0), heads=heads, tree=tree)
     ids = random_prompt(8)
     out = target.model(input_ids=ids[None], output_hidden_states=True)
     hidden = {2: out.hidden_states[2][0]}
@@ -137,9 +137,9 @@ def test_min_path_prob_drops_the_nodes_whose_path_probability_is_below_it():
     for node, (p, parent) in enumerate(zip(tree.paths, full_parents)):
         path.append(float(probs[len(p) - 1, p[-1]]) * (path[parent - 1] if parent else 1.0))
     cut = sorted(path)[2] * (1 + 1e-9)  # drops the 3 least likely nodes
-    drafter = MedusaDrafter(target, MedusaDrafterConfig(min_path_prob=cut), heads=heads, tree=tree)
+    drafter = MedusaDrafter(target, MedusaDrafterConfig(lookup_tokens=0, min_path_prob=cut), heads=heads, tree=tree)
     drafter.prefill(DraftContext(ids, 0, SamplingConfig(), None, 7, hidden))
-    whole = MedusaDrafter(target, MedusaDrafterConfig(min_path_prob=0.0), heads=heads, tree=tree)
+    whole = MedusaDrafter(target, MedusaDrafterConfig(lookup_tokens=0, min_path_prob=0.0), heads=heads, tree=tree)
     whole.prefill(DraftContext(ids, 0, SamplingConfig(), None, 7, hidden))
     ctx = DraftContext(ids, 10, SamplingConfig(), None, 7)
     kept = [i for i in range(6) if path[i] >= cut]
@@ -147,7 +147,7 @@ def test_min_path_prob_drops_the_nodes_whose_path_probability_is_below_it():
     assert len(kept) == 3 and proposal.tokens.tolist() == full.tokens[kept].tolist()
     renumber = {0: 0, **{i + 1: n + 1 for n, i in enumerate(kept)}}
     assert proposal.parents.tolist() == [renumber[full_parents[i]] for i in kept]
-    everything = MedusaDrafter(target, MedusaDrafterConfig(min_path_prob=0.999), heads=heads, tree=tree)
+    everything = MedusaDrafter(target, MedusaDrafterConfig(lookup_tokens=0, min_path_prob=0.999), heads=heads, tree=tree)
     everything.prefill(DraftContext(ids, 0, SamplingConfig(), None, 7, hidden))
     assert everything.propose(ctx).tokens.numel() == 0
     with pytest.raises(ConfigError, match="min_path_prob"):
@@ -164,7 +164,7 @@ def test_greedy_equals_plain_decoding(arch, heads_width):
     target = make_target(arch, eos=(), attn_implementation="sdpa")
     heads = make_heads(target, num_heads=num_heads, num_layers=2)
     prompt = random_prompt(20, seed=2)
-    drafter = MedusaDrafter(target, MedusaDrafterConfig(min_path_prob=0.0), heads=heads, tree=wide_tree(num_heads, width))
+    drafter = MedusaDrafter(target, MedusaDrafterConfig(lookup_tokens=0, min_path_prob=0.0), heads=heads, tree=wide_tree(num_heads, width))
     tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
     assert tokens == reference_greedy(target.model, prompt, 30)
     assert stats.drafted_tokens > 0 and max(len(stats.drafted_by_position), 1) <= num_heads
@@ -176,7 +176,7 @@ def test_greedy_with_a_dynamic_budget_equals_plain_decoding(arch, min_path_prob)
     target = make_target(arch, eos=(), attn_implementation="sdpa")
     heads = make_heads(target, num_heads=3, num_layers=2)
     prompt = random_prompt(20, seed=2)
-    drafter = MedusaDrafter(target, MedusaDrafterConfig(min_path_prob=min_path_prob), heads=heads,
+    drafter = MedusaDrafter(target, MedusaDrafterConfig(lookup_tokens=0, min_path_prob=min_path_prob), heads=heads,
                             tree=wide_tree(3, 4))
     tokens, _, _ = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
     assert tokens == reference_greedy(target.model, prompt, 30)
@@ -189,7 +189,7 @@ def test_greedy_accepts_drafts_when_heads_predict_well():
     heads = MedusaHeads(target, MedusaConfig(num_heads=2, draft_vocab_size=target.vocab_size),
                         torch.arange(target.vocab_size)).double().eval()
     prompt = random_prompt(12, seed=5)
-    drafter = MedusaDrafter(target, MedusaDrafterConfig(min_path_prob=0.0), heads=heads, tree=wide_tree(2, 4))
+    drafter = MedusaDrafter(target, MedusaDrafterConfig(lookup_tokens=0, min_path_prob=0.0), heads=heads, tree=wide_tree(2, 4))
     tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=40, sampling=SamplingConfig())
     assert tokens == reference_greedy(target.model, prompt, 40)
     assert stats.drafted_tokens > 0

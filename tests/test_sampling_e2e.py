@@ -91,7 +91,7 @@ def _medusa(target, acceptance: str = "exact", min_path_prob: float = 0.0):
     tree = MedusaTree(((0,), (1,), (0, 0), (0, 1), (1, 0)), 5)
     # thresholds so low that the typical rule accepts nearly every drafted node
     config = MedusaDrafterConfig(acceptance=acceptance, posterior_threshold=0.01, posterior_alpha=0.01,
-                                 min_path_prob=min_path_prob)
+                                 min_path_prob=min_path_prob, lookup_tokens=0)
     return MedusaDrafter(target, config, heads=heads.eval().requires_grad_(False), tree=tree)
 
 

@@ -39,9 +39,11 @@ LOOKUP_DECAY = 0.8
 
 @dataclass(frozen=True)
 class LookupGraftConfig(MethodConfig):
-    """The context-lookup options of a model drafter (off with ``lookup_tokens=0``)."""
+    """The context-lookup options of a model drafter (``lookup_tokens=0`` turns the lookup off)."""
 
-    lookup_tokens: int = 0  # most tokens of the context's continuation added to the tree (0 = no lookup)
+    # 16: for the shipped gemma-3-270m drafters, on 14 held-out prompts (README), eagle 1.57x -> 2.56x `ar`
+    # greedy and 1.07x -> 1.13x at T=0.7; a fixed 8 ran at 2.40x
+    lookup_tokens: int = 16  # most tokens of the context's continuation added to the tree (0 = no lookup)
     lookup_max_ngram: int = 3  # longest context suffix matched first
     lookup_min_ngram: int = 2  # shortest suffix matched
     # verify lookup token d while (estimated per-token acceptance) ** d reaches this; 0 = all lookup_tokens
