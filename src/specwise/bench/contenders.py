@@ -163,6 +163,10 @@ def parse_contender(target, spec: str) -> Contender:
 
 
 def parse_option_value(text: str) -> Any:
+    """A method option's value from text: ``true`` / ``false`` (any case) as bool, else int, else
+    float, else the text itself."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     for cast in (int, float):
         try:
             return cast(text)

@@ -58,6 +58,16 @@ def check_probability_threshold(name: str, value: float) -> None:
         raise ConfigError(f"{name} must be a probability in [0, 1), got {value!r}.")
 
 
+def check_flag(name: str, value: object) -> None:
+    """Refuse a non-bool value for an on/off option (the text ``"false"`` would read as on).
+
+    Raises:
+        ConfigError: ``value`` is not a bool.
+    """
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}.")
+
+
 @dataclass(frozen=True)
 class DraftingConfig(MethodConfig):
     """Options shared by methods that draft a fixed number of tokens."""

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specwise.drafters.base import Drafter, check_probability_threshold, register_drafter
+from specwise.drafters.base import Drafter, check_flag, check_probability_threshold, register_drafter
 from specwise.drafters.lookup_graft import LookupGraft, LookupGraftConfig
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.eagle import EagleConfig, EagleHead, HeadCache
@@ -70,6 +70,7 @@ class EagleDrafterConfig(LookupGraftConfig):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
         check_probability_threshold("min_path_prob", self.min_path_prob)
+        check_flag("temperature_scores", self.temperature_scores)
 
 
 def load_eagle_head(path, target) -> EagleHead:

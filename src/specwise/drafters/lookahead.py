@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specwise.drafters.base import Drafter, MethodConfig, register_drafter
+from specwise.drafters.base import Drafter, MethodConfig, check_flag, register_drafter
 from specwise.drafters.prompt_lookup import lookup_continuation
 from specwise.errors import ConfigError
 from specwise.types import AuxiliaryTokens, DraftContext, Proposal, StepFeedback
@@ -41,6 +41,8 @@ class LookaheadConfig(MethodConfig):
     context_match_tokens: int = 8  # also verify the continuation of the longest recent context match (0 = off)
 
     def __post_init__(self) -> None:
+        check_flag("pool_from_prompt", self.pool_from_prompt)
+        check_flag("pool_from_output", self.pool_from_output)
         if not isinstance(self.context_match_tokens, int) or self.context_match_tokens < 0:
             raise ConfigError(f"context_match_tokens must be an integer >= 0, got {self.context_match_tokens!r}.")
         for name in ("window_size", "max_candidates"):
