@@ -104,16 +104,15 @@ def test_split_and_join_spec():
 
 def test_on_off_options_read_as_bools_and_refuse_text():
     """``false`` must not reach a config as the (truthy) text "false"."""
-    from specwise.drafters.eagle import EagleDrafterConfig
     from specwise.drafters.lookahead import LookaheadConfig
 
     assert split_spec("lookahead[pool_from_prompt=false,pool_from_output=True]") == (
         "lookahead", {"pool_from_prompt": False, "pool_from_output": True})
-    assert join_spec(*split_spec("eagle[temperature_scores=False]")) == "eagle[temperature_scores=False]"
+    assert join_spec(*split_spec("lookahead[pool_from_output=False]")) == "lookahead[pool_from_output=False]"
     with pytest.raises(ConfigError, match="pool_from_prompt must be true or false"):
         LookaheadConfig(pool_from_prompt="false")
-    with pytest.raises(ConfigError, match="temperature_scores must be true or false"):
-        EagleDrafterConfig(temperature_scores="False")
+    with pytest.raises(ConfigError, match="pool_from_output must be true or false"):
+        LookaheadConfig(pool_from_output=1)
 
 
 def test_sweep_expansion():
