@@ -183,7 +183,7 @@ class EagleDrafter(Drafter):
         # every node created so far, in creation order: draft-vocabulary index, cumulative score, and
         # parent (creation index; -1 = the root)
         # scores use the head's distribution at temperature 1 also when sampling: sharpened to the
-        # sampling temperature (logits / T) they kept more nodes and ran 13% slower at T=0.7 (README)
+        # sampling temperature (logits / T) they kept more nodes and ran 12% slower at T=0.7 (README)
         logp = torch.log_softmax(head.logits(root_h).float(), dim=-1).clamp_max(0.0)  # shape: [Vd]
         all_score, all_index = logp.topk(k)
         all_parent = torch.full((k,), -1, dtype=torch.long, device=device)
