@@ -32,7 +32,7 @@ def run_demo(target_name: str, max_new_tokens: int, device, progress) -> int:
     speeds: dict[str, list[float]] = {m: [] for m in drafters}
     table = Table(title=f"{target.name}, bf16, greedy, {max_new_tokens} new tokens")
     for col in ("prompt", "method", "τ", "accept rate", "tok/s", "same as ar"):
-        table.add_column(col, no_wrap=col in ("prompt", "same as ar"))
+        table.add_column(col, no_wrap=col in ("prompt", "same as ar"), min_width=9 if col == "method" else None)
     for record in records:
         results = {m: specwise.generate(target, record.prompt, drafter=d, max_new_tokens=max_new_tokens)
                    for m, d in drafters.items()}
@@ -44,12 +44,13 @@ def run_demo(target_name: str, max_new_tokens: int, device, progress) -> int:
         for m, r in results.items():
             speeds[m].append(r.stats.tokens_per_second)
             same = "-" if m == "ar" else _agreement(target, prompt_ids, results["ar"].token_ids, r.token_ids)
-            table.add_row(record.id.removeprefix("builtin/"), m, f"{r.stats.mean_accepted_length:.2f}", f"{r.stats.acceptance_rate:.2f}",
+            rate = "-" if m == "ar" else f"{r.stats.acceptance_rate:.2f}"
+            table.add_row(record.id.removeprefix("builtin/"), m, f"{r.stats.mean_accepted_length:.2f}", rate,
                           f"{r.stats.tokens_per_second:.1f}", same)
     console.print(table)
     console.print("Greedy speculative decoding returns the target's own greedy tokens. In bf16 a verification "
                   "forward over several tokens rounds differently from a one-token step, so where the target's top "
-                  "two logits nearly tie the two runs can pick different tokens ('bf16 tie @i': the first "
+                  "two logits nearly tie the two runs can pick different tokens ('tie @i': the first "
                   "different token, with the gap between those logits); in float32 they agree token for token "
                   "(tested).")
     medians = {m: statistics.median(v) for m, v in speeds.items()}
@@ -69,5 +70,5 @@ def _agreement(target, prompt_ids, reference: list[int], tokens: list[int]) -> s
     if divergence is None:
         return "yes"
     index, gap = divergence
-    kind = "bf16 tie" if gap <= TIE_MARGIN else "DIVERGED"
+    kind = "tie" if gap <= TIE_MARGIN else "DIVERGED"
     return f"{kind} @{index} (gap {gap:.2f})"
