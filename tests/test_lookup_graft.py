@@ -81,7 +81,8 @@ def _ctx(ids: list[int], budget: int = 10) -> DraftContext:
 
 def _graft(proposal: Proposal, ids: list[int], budget: int = 10, eos=NO_EOS, **options) -> Proposal:
     config = LookupGraftConfig(**{"lookup_min_prob": 0.0, **options})
-    return LookupGraft(config, eos).graft(proposal, _ctx(ids, budget))
+    graft = LookupGraft(config, eos)
+    return graft.graft(proposal, graft.lookup(_ctx(ids, budget)))
 
 
 def test_graft_edge_cases():
@@ -113,24 +114,33 @@ def test_lookup_length_follows_the_geometric_model():
 
 def test_the_lookup_grows_while_accepted_and_shrinks_when_rejected():
     ids = list(range(3, 23)) * 2  # the second copy repeats the first: the lookup always matches
-    graft = LookupGraft(LookupGraftConfig(lookup_tokens=12, lookup_min_prob=0.1), NO_EOS)
+    graft = LookupGraft(LookupGraftConfig(lookup_tokens=12, lookup_min_prob=0.1, lookup_trust=0.9), NO_EOS)
+
+    def lookup() -> list[int]:
+        return graft.graft(Proposal.empty(), graft.lookup(_ctx(ids, budget=20))).tokens.tolist()
+
     start = lookup_length(*LOOKUP_PRIOR, 12, 0.1)
+    lookup()
+    assert not graft.trusted  # a = 2/3 before any evidence
     lengths = []
     for _ in range(4):  # the target accepts every lookup token
-        chain = graft.graft(Proposal.empty(), _ctx(ids, budget=20)).tokens.tolist()
+        chain = lookup()
         lengths.append(len(chain))
         graft.observe(StepFeedback(torch.tensor(ids + chain + [99]), len(chain), len(chain), len(ids)))
     assert lengths[0] == start and lengths[-1] == 12 and lengths == sorted(lengths)
+    lookup()
+    assert graft.acceptance > 0.9 and graft.trusted
     for _ in range(10):  # the target rejects the first lookup token every time
-        chain = graft.graft(Proposal.empty(), _ctx(ids, budget=20)).tokens.tolist()
+        chain = lookup()
         graft.observe(StepFeedback(torch.tensor(ids + [99]), len(chain), 0, len(ids)))
-    assert len(graft.graft(Proposal.empty(), _ctx(ids, budget=20)).tokens) < start
+    assert len(lookup()) < start and not graft.trusted
     graft.reset()
-    assert len(graft.graft(Proposal.empty(), _ctx(ids, budget=20)).tokens) == start
+    assert len(lookup()) == start
 
 
 @pytest.mark.parametrize("bad", [dict(lookup_tokens=-1), dict(lookup_tokens=True), dict(lookup_min_ngram=0),
-                                 dict(lookup_min_ngram=4, lookup_max_ngram=3)])
+                                 dict(lookup_min_ngram=4, lookup_max_ngram=3), dict(lookup_trust=0.0),
+                                 dict(lookup_trust=1.5), dict(lookup_min_prob=1.0)])
 def test_lookup_options_are_validated(bad):
     for config_cls in (LookupGraftConfig, EagleDrafterConfig, DFlashDrafterConfig, MedusaDrafterConfig):
         with pytest.raises(ConfigError, match="lookup"):
@@ -147,8 +157,9 @@ def _repetitive_prompt() -> torch.Tensor:
 def _drafters(target, lookup_tokens: int) -> dict:
     common = dict(lookup_tokens=lookup_tokens, lookup_min_ngram=1, lookup_min_prob=0.05)
     return {
+        # lookup_trust 0.7: some steps (7 of 21 on the gemma3 model) cut the head's tree to one level
         "eagle": EagleDrafter(target, EagleDrafterConfig(depth=3, tree_top_k=3, total_tokens=6, min_path_prob=0.02,
-                                                         **common), head=make_head(target, window=8)),
+                                                         lookup_trust=0.7, **common), head=make_head(target, window=8)),
         "dflash": DFlashDrafter(target, DFlashDrafterConfig(min_path_prob=0.0, **common),
                                 model=make_dflash(target, 4, 8)),
         "medusa": MedusaDrafter(target, MedusaDrafterConfig(min_path_prob=0.0, **common),
@@ -162,8 +173,8 @@ def test_greedy_with_a_grafted_lookup_equals_plain_decoding(arch, method, monkey
     grafted = []
     original = LookupGraft.graft
 
-    def counting_graft(self, proposal, ctx):
-        out = original(self, proposal, ctx)
+    def counting_graft(self, proposal, chain):
+        out = original(self, proposal, chain)
         grafted.append(out.tokens.numel() - proposal.tokens.numel())
         return out
 

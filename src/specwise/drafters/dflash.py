@@ -165,7 +165,8 @@ class DFlashDrafter(Drafter):
             cache.append(k, v)
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        return self.lookup.graft(self._draft_block(ctx), ctx)
+        chain = self.lookup.lookup(ctx)
+        return self.lookup.graft(self._draft_block(ctx), chain)
 
     @torch.inference_mode()
     def _draft_block(self, ctx: DraftContext) -> Proposal:

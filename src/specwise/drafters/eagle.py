@@ -161,14 +161,17 @@ class EagleDrafter(Drafter):
         return head.finish(feature[-1:], attended)[0]
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        return self.lookup.graft(self._draft_tree(ctx), ctx)
+        chain = self.lookup.lookup(ctx)
+        # a trusted lookup leaves the head one level: its depth-1 alternatives, for when the copy breaks
+        tree = self._draft_tree(ctx, 1 if self.lookup.trusted else self.config.depth)
+        return self.lookup.graft(tree, chain)
 
     @torch.inference_mode()
-    def _draft_tree(self, ctx: DraftContext) -> Proposal:
-        """The head's dynamic tree (steps 1-3 of the module docstring)."""
+    def _draft_tree(self, ctx: DraftContext, depth: int) -> Proposal:
+        """The head's dynamic tree of at most ``depth`` levels (steps 1-3 of the module docstring)."""
         head, cfg = self.head, self.config
         root_h = self._catch_up()
-        depth = min(cfg.depth, ctx.max_draft_tokens)
+        depth = min(depth, ctx.max_draft_tokens)
         device = ctx.token_ids.device
         if depth <= 0:
             return Proposal.empty(device)

@@ -48,6 +48,8 @@ class LookupGraftConfig(MethodConfig):
     lookup_min_ngram: int = 2  # shortest suffix matched
     # verify lookup token d while (estimated per-token acceptance) ** d reaches this; 0 = all lookup_tokens
     lookup_min_prob: float = 0.1
+    # EAGLE: while the estimated per-token acceptance reaches this, the head drafts one level only (1 = never)
+    lookup_trust: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.lookup_tokens, int) or isinstance(self.lookup_tokens, bool) or self.lookup_tokens < 0:
@@ -57,6 +59,9 @@ class LookupGraftConfig(MethodConfig):
             raise ConfigError(f"need integers 1 <= lookup_min_ngram <= lookup_max_ngram, got "
                               f"{self.lookup_min_ngram!r} and {self.lookup_max_ngram!r}.")
         check_probability_threshold("lookup_min_prob", self.lookup_min_prob)
+        if isinstance(self.lookup_trust, bool) or not isinstance(self.lookup_trust, (int, float)) \
+                or not 0 < self.lookup_trust <= 1:
+            raise ConfigError(f"lookup_trust must be in (0, 1], got {self.lookup_trust!r}.")
 
 
 def lookup_length(accepted: float, rejections: float, max_tokens: int, min_prob: float) -> int:
@@ -95,23 +100,23 @@ class LookupGraft:
         self.accepted, self.rejections = 0.0, 0.0  # decayed counts, the prior not included
         self._chain: list[int] = []  # the lookup tokens verified this step
 
-    def graft(self, proposal: Proposal, ctx: DraftContext) -> Proposal:
-        """Add the context's continuation after its last n-gram to a drafter's proposal.
+    @property
+    def acceptance(self) -> float:
+        """The estimated probability that a lookup token is accepted given the ones before it."""
+        prior_accepted, prior_rejections = LOOKUP_PRIOR
+        accepted = self.accepted + prior_accepted
+        return accepted / (accepted + self.rejections + prior_rejections)
 
-        Args:
-            proposal: a chain or tree of delta proposals (``draft_probs`` is ``None``).
-            ctx: the drafting context; the lookup searches ``ctx.token_ids`` and drafts at most
-                ``ctx.max_draft_tokens`` tokens, cut after an EOS.
+    @property
+    def trusted(self) -> bool:
+        """Whether this step's lookup is trusted enough for the drafter to draft less itself
+        (a lookup was found and ``acceptance`` reaches ``lookup_trust``)."""
+        return bool(self._chain) and self.acceptance >= self.config.lookup_trust
 
-        Returns:
-            ``proposal`` itself when lookup is off or finds nothing new; otherwise a tree proposal
-            whose first nodes are ``proposal``'s (same order) and whose new nodes hold the lookup's
-            tokens.
-
-        Raises:
-            ValueError: ``proposal`` carries draft probabilities or auxiliary tokens (only delta
-                proposals can be merged exactly).
-        """
+    def lookup(self, ctx: DraftContext) -> torch.Tensor | None:
+        """This step's lookup: at most ``min(lookup length, ctx.max_draft_tokens)`` tokens that followed
+        the context's last n-gram earlier on (cut after an EOS), or ``None``. Remembered for
+        :meth:`observe` and :meth:`graft`."""
         cfg = self.config
         self._chain = []
         prior_accepted, prior_rejections = LOOKUP_PRIOR
@@ -119,14 +124,32 @@ class LookupGraft:
                                cfg.lookup_tokens, cfg.lookup_min_prob)
         budget = min(length, ctx.max_draft_tokens)
         if budget <= 0:
+            return None
+        chain = find_continuation(ctx.token_ids, budget, cfg.lookup_max_ngram, cfg.lookup_min_ngram,
+                                  latest=True, eos_token_ids=self.eos_token_ids)
+        self._chain = [] if chain is None else chain.tolist()
+        return chain
+
+    def graft(self, proposal: Proposal, chain: torch.Tensor | None) -> Proposal:
+        """Add this step's lookup to a drafter's proposal.
+
+        Args:
+            proposal: a chain or tree of delta proposals (``draft_probs`` is ``None``).
+            chain: ``[L]`` long, the lookup from :meth:`lookup`, or ``None``.
+
+        Returns:
+            ``proposal`` itself when there is no lookup or the tree already holds it; otherwise a
+            tree proposal whose first nodes are ``proposal``'s (same order) and whose new nodes
+            hold the lookup's tokens.
+
+        Raises:
+            ValueError: ``proposal`` carries draft probabilities or auxiliary tokens (only delta
+                proposals can be merged exactly).
+        """
+        if chain is None:
             return proposal
         if proposal.draft_probs is not None or proposal.auxiliary is not None:
             raise ValueError("a lookup can only be grafted onto delta proposals without auxiliary tokens")
-        chain = find_continuation(ctx.token_ids, budget, cfg.lookup_max_ngram, cfg.lookup_min_ngram,
-                                  latest=True, eos_token_ids=self.eos_token_ids)
-        if chain is None:
-            return proposal
-        self._chain = chain.tolist()
         tokens, parents = graft_chain(proposal.tokens, proposal.parents, chain)
         if tokens.numel() == proposal.tokens.numel():
             return proposal  # the tree already held the whole continuation

@@ -170,7 +170,8 @@ class MedusaDrafter(Drafter):
         self._hidden = feedback.hidden_states[self.heads.config.hidden_layer][-1]
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        return self.lookup.graft(self._draft_tree(ctx), ctx)
+        chain = self.lookup.lookup(ctx)
+        return self.lookup.graft(self._draft_tree(ctx), chain)
 
     @torch.inference_mode()
     def _draft_tree(self, ctx: DraftContext) -> Proposal:
