@@ -8,8 +8,9 @@ import pytest
 import specwise
 from conftest import (ARCHS, assert_distribution, check_tree_loop_records, make_target, random_prompt,
                       recording, reference_greedy, repetitive_prompt)
-from specwise.drafters.lookahead import LookaheadConfig, LookaheadDrafter, NgramPool, build_trie, window_layout
+from specwise.drafters.lookahead import LookaheadConfig, LookaheadDrafter, NgramPool, window_layout
 from specwise.errors import ConfigError
+from specwise.tree import merge_paths
 from test_sampling_e2e import PROMPT, V, exact_joint
 
 
@@ -40,8 +41,8 @@ def test_ngram_pool_keeps_the_most_recent_continuations():
     assert pool.lookup(1) == [(2, 3)] and pool.lookup(2) == [(3, 4)]
 
 
-def test_build_trie_merges_common_prefixes():
-    tokens, parents = build_trie([(1, 2, 3), (1, 2, 4), (5,), (1, 6)])
+def test_merge_paths_builds_a_trie_with_common_prefixes():
+    tokens, parents = merge_paths([], [], [(1, 2, 3), (1, 2, 4), (5,), (1, 6)])
     assert tokens == [1, 2, 3, 4, 5, 6]
     assert parents == [0, 1, 2, 2, 0, 1]
 

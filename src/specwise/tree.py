@@ -7,6 +7,7 @@ not yet seen by the target); nodes are in topological order (``parents[i] < i``)
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -166,16 +167,45 @@ def best_nodes_tree(score: torch.Tensor, parent: torch.Tensor, keep: int,
     return chosen, torch.where(parents < 0, torch.zeros_like(parents), node_of[parents.clamp_min(0)])
 
 
+def merge_paths(tokens: list[int], parents: list[int],
+                paths: Iterable[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """Insert token paths into a draft tree as a trie: each path runs from the root, following the
+    nodes that already hold its tokens and adding a node where none does.
+
+    Args:
+        tokens: the tree's draft tokens (draft i is node i + 1; the root is node 0).
+        parents: their parent node indices (0 = the root, ``parents[i] <= i``).
+        paths: token sequences, each starting below the root.
+
+    Returns:
+        ``(tokens, parents)``: new lists, the given nodes first and unchanged, then the added
+        nodes in insertion order (parents before children, so the order stays topological; no two
+        siblings added hold the same token).
+    """
+    tokens, parents = list(tokens), list(parents)
+    child = {(p, t): i + 1 for i, (p, t) in enumerate(zip(parents, tokens))}  # (parent, token) -> node
+    for path in paths:
+        node = 0
+        for token in path:
+            found = child.get((node, token))
+            if found is None:
+                tokens.append(token)
+                parents.append(node)
+                found = child[(node, token)] = len(tokens)
+            node = found
+    return tokens, parents
+
+
 def graft_chain(tokens: torch.Tensor, parents: torch.Tensor | None,
                 chain: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Add a chain of draft tokens to a draft tree as a path from the root, sharing every prefix
-    the tree already has (a trie insert).
+    the tree already has (:func:`merge_paths` on tensors).
 
     Used to verify a context lookup's draft (ALGORITHMS.md §6) in the same forward as a model's
-    draft tree (the retrieval-plus-model idea of SAM-Decoding, Hu et al. 2024). Where the chain's first i tokens
-    follow an existing path, no node is added; from its first token off the tree on, each chain
-    token becomes a new node appended after the existing ones, so node order stays topological,
-    siblings stay distinct and every draft stays a deterministic (delta) proposal.
+    draft tree (the retrieval-plus-model idea of SAM-Decoding, Hu et al. 2024). Where the chain's
+    first i tokens follow an existing path, no node is added; from its first token off the tree on,
+    each chain token becomes a new node appended after the existing ones, so node order stays
+    topological, siblings stay distinct and every draft stays a deterministic (delta) proposal.
 
     Args:
         tokens: ``[K]`` long, the tree's draft tokens (node i + 1 holds token i; the root is node 0).
@@ -188,18 +218,8 @@ def graft_chain(tokens: torch.Tensor, parents: torch.Tensor | None,
         that were not on the tree; ``parents`` is given even when the input was a chain.
     """
     k = tokens.numel()
-    parent_list = list(range(k)) if parents is None else [int(p) for p in parents.tolist()]
-    token_list = [int(t) for t in tokens.tolist()]
-    child = {(p, t): i + 1 for i, (p, t) in enumerate(zip(parent_list, token_list))}  # (parent, token) -> node
-    node = 0
-    for token in (int(t) for t in chain.tolist()):
-        found = child.get((node, token))
-        if found is None:
-            token_list.append(token)
-            parent_list.append(node)
-            found = len(token_list)
-            child[(node, token)] = found
-        node = found
+    parent_list = list(range(k)) if parents is None else parents.tolist()
+    token_list, parent_list = merge_paths(tokens.tolist(), parent_list, [chain.tolist()])
     device = tokens.device
     return (torch.tensor(token_list, dtype=torch.long, device=device),
             torch.tensor(parent_list, dtype=torch.long, device=device))

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from specwise.drafters.base import Drafter, MethodConfig, check_flag, register_drafter
-from specwise.drafters.prompt_lookup import lookup_continuation
+from specwise.drafters.prompt_lookup import find_continuation
 from specwise.errors import ConfigError
+from specwise.tree import merge_paths
 from specwise.types import AuxiliaryTokens, DraftContext, Proposal, StepFeedback
 
 
@@ -77,28 +78,6 @@ class NgramPool:
         return list(reversed(self._entries.get(key, ())))
 
 
-def build_trie(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
-    """Merge token sequences into a trie under the root.
-
-    Returns:
-        ``(tokens, parents)`` of the draft nodes in topological order; node 0 is the root, draft
-        node i is tree node i + 1.
-    """
-    tokens: list[int] = []
-    parents: list[int] = []
-    index: dict[tuple[int, int], int] = {}
-    for candidate in candidates:
-        parent = 0
-        for token in candidate:
-            node = index.get((parent, token))
-            if node is None:
-                tokens.append(token)
-                parents.append(parent)
-                node = index[(parent, token)] = len(tokens)
-            parent = node
-    return tokens, parents
-
-
 def window_layout(levels: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions and visibility of a ``levels x width`` Jacobi window, flattened level-major.
 
@@ -111,15 +90,6 @@ def window_layout(levels: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     sees_level0 = (level[None, :] == 0) & (column[None, :] <= column[:, None])
     same_column = (column[None, :] == column[:, None]) & (level[None, :] >= 1) & (level[None, :] <= level[:, None])
     return positions, sees_level0 | same_column
-
-
-def _context_match(ids: torch.Tensor, num_tokens: int, max_ngram: int = 3) -> tuple[int, ...]:
-    """Prompt lookup's proposal: what followed the latest earlier match of the last 3, 2 or 1 tokens."""
-    for n in range(min(max_ngram, ids.numel() - 1), 0, -1):
-        found = lookup_continuation(ids, n, num_tokens, latest=True)
-        if found is not None:
-            return tuple(found.tolist())
-    return ()
 
 
 @register_drafter("lookahead", LookaheadConfig, "Lookahead decoding: Jacobi window + n-gram pool, verified as a tree")
@@ -135,6 +105,7 @@ class LookaheadDrafter(Drafter):
         self._visible = visible.to(device)
         top = (self.levels_count - 1) * config.window_size
         self._logit_rows = torch.arange(top, top + config.window_size, device=device)
+        self.eos_token_ids = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long)
         self.reset()
 
     def reset(self) -> None:
@@ -158,10 +129,10 @@ class LookaheadDrafter(Drafter):
         root = int(ids[-1])
         candidates = self.pool.lookup(root)[: self.config.max_candidates]
         if self.config.context_match_tokens:
-            match = _context_match(ids, self.config.context_match_tokens)
-            if match:
-                candidates.insert(0, match)
-        tokens, parents = build_trie([c[:budget] for c in candidates if c] if budget > 0 else [])
+            match = find_continuation(ids, self.config.context_match_tokens, 3, 1, True, self.eos_token_ids)
+            if match is not None:
+                candidates.insert(0, tuple(match.tolist()))
+        tokens, parents = merge_paths([], [], [c[:budget] for c in candidates if c] if budget > 0 else [])
         auxiliary = AuxiliaryTokens(self.window.flatten(), self._positions, self._visible, self._logit_rows)
         return Proposal(
             torch.tensor(tokens, dtype=torch.long, device=ids.device),
