@@ -48,8 +48,6 @@ class LookupGraftConfig(MethodConfig):
     lookup_min_ngram: int = 2  # shortest suffix matched
     # verify lookup token d while (estimated per-token acceptance) ** d reaches this; 0 = all lookup_tokens
     lookup_min_prob: float = 0.1
-    # EAGLE: while the estimated per-token acceptance reaches this, the head drafts one level only (1 = never)
-    lookup_trust: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.lookup_tokens, int) or isinstance(self.lookup_tokens, bool) or self.lookup_tokens < 0:
@@ -59,28 +57,24 @@ class LookupGraftConfig(MethodConfig):
             raise ConfigError(f"need integers 1 <= lookup_min_ngram <= lookup_max_ngram, got "
                               f"{self.lookup_min_ngram!r} and {self.lookup_max_ngram!r}.")
         check_probability_threshold("lookup_min_prob", self.lookup_min_prob)
-        if isinstance(self.lookup_trust, bool) or not isinstance(self.lookup_trust, (int, float)) \
-                or not 0 < self.lookup_trust <= 1:
-            raise ConfigError(f"lookup_trust must be in (0, 1], got {self.lookup_trust!r}.")
 
 
-def lookup_length(accepted: float, rejections: float, max_tokens: int, min_prob: float) -> int:
+def lookup_length(acceptance: float, max_tokens: int, min_prob: float) -> int:
     """How many lookup tokens to verify under the geometric acceptance model.
 
     Args:
-        accepted: (weighted) lookup tokens accepted, prior pseudo-count included (> 0).
-        rejections: (weighted) steps that rejected a lookup token, prior included (> 0).
+        acceptance: a, the estimated probability that a lookup token is accepted given the ones
+            before it, in (0, 1).
         max_tokens: the most to verify.
         min_prob: the least estimated probability of reaching and accepting the last one verified.
 
     Returns:
-        the largest ``d <= max_tokens`` with ``a ** d >= min_prob``, ``a = accepted / (accepted +
-        rejections)``; ``max_tokens`` when ``min_prob`` is 0, and at least 1 when ``max_tokens`` is.
+        the largest ``d <= max_tokens`` with ``a ** d >= min_prob``; ``max_tokens`` when ``min_prob``
+        is 0, and at least 1 when ``max_tokens`` is.
     """
     if min_prob <= 0 or max_tokens <= 0:
         return max(max_tokens, 0)
-    a = accepted / (accepted + rejections)
-    return max(1, min(max_tokens, int(math.log(min_prob) / math.log(a) + 1e-9)))
+    return max(1, min(max_tokens, int(math.log(min_prob) / math.log(acceptance) + 1e-9)))
 
 
 class LookupGraft:
@@ -107,22 +101,13 @@ class LookupGraft:
         accepted = self.accepted + prior_accepted
         return accepted / (accepted + self.rejections + prior_rejections)
 
-    @property
-    def trusted(self) -> bool:
-        """Whether this step's lookup is trusted enough for the drafter to draft less itself
-        (a lookup was found and ``acceptance`` reaches ``lookup_trust``)."""
-        return bool(self._chain) and self.acceptance >= self.config.lookup_trust
-
     def lookup(self, ctx: DraftContext) -> torch.Tensor | None:
         """This step's lookup: at most ``min(lookup length, ctx.max_draft_tokens)`` tokens that followed
         the context's last n-gram earlier on (cut after an EOS), or ``None``. Remembered for
-        :meth:`observe` and :meth:`graft`."""
+        :meth:`observe`."""
         cfg = self.config
         self._chain = []
-        prior_accepted, prior_rejections = LOOKUP_PRIOR
-        length = lookup_length(self.accepted + prior_accepted, self.rejections + prior_rejections,
-                               cfg.lookup_tokens, cfg.lookup_min_prob)
-        budget = min(length, ctx.max_draft_tokens)
+        budget = min(lookup_length(self.acceptance, cfg.lookup_tokens, cfg.lookup_min_prob), ctx.max_draft_tokens)
         if budget <= 0:
             return None
         chain = find_continuation(ctx.token_ids, budget, cfg.lookup_max_ngram, cfg.lookup_min_ngram,
