@@ -25,8 +25,8 @@ from transformers import (
 )
 
 from specwise.drafters.base import Drafter
-from specwise.target import Target
-from specwise.types import AuxiliaryTokens, DraftContext, Proposal, StepFeedback
+from specwise.engine.target import Target
+from specwise.engine.types import AuxiliaryTokens, DraftContext, Proposal, StepFeedback
 
 # Tiny models on a 2-core CPU: intra-op threading costs far more than it saves (one float64->float32
 # softmax in eager attention takes ~8 ms with 2 threads and ~5 us with 1), so use one thread.

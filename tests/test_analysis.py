@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import assert_distribution, make_target, repetitive_prompt
-from specwise.analysis.calibrate import Calibration, MethodCost, calibrate, measure_draft_cost
-from specwise.analysis.model import (
+from specwise.cli import main
+from specwise.drafters.timing import calibrate, measure_draft_cost
+from specwise.engine.cost_model import (
     VerifyCostTable,
     acceptance_rate,
     expected_tokens_per_step,
@@ -21,10 +22,10 @@ from specwise.analysis.model import (
     simulate_tokens_per_step,
     speedup,
 )
-from specwise.analysis.overlay import contender_draft_tokens, measured_points, predict, prediction_table
-from specwise.analysis.plots import plot_speedup_vs_alpha, plot_speedup_vs_k, plot_verify_cost
-from specwise.cli import main
+from specwise.engine.timing import Calibration, MethodCost
 from specwise.errors import ConfigError
+from specwise.lab.analysis.overlay import contender_draft_tokens, measured_points, predict, prediction_table
+from specwise.lab.analysis.plots import plot_speedup_vs_alpha, plot_speedup_vs_k, plot_verify_cost
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -223,7 +224,7 @@ def _results() -> dict:
                  "code": [summary("pld", 2.5, 4.0, 1), summary("pld[num_draft_tokens=3]", 1.8, 2.5, 1)],
                  "qa": [summary("pld", 1.0, 1.2, 1), summary("pld[num_draft_tokens=3]", 1.0, 1.1, 1)]}
     config = {"target": "t", "dtype": "bfloat16", "device": "cpu", "contenders": names}
-    return {"schema": "specwise.bench/1", "config": config, "records": records, "summaries": summaries}
+    return {"schema": "specwise.lab.bench/1", "config": config, "records": records, "summaries": summaries}
 
 
 def test_contender_draft_tokens():

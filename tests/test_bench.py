@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from conftest import make_target, random_prompt, repetitive_prompt
-from specwise.bench import RunRecord, parse_contender, run_benchmark, specwise_contender
-from specwise.bench.plots import PLOT_FILES, sweep_table, write_bench_plots
-from specwise.bench.report import markdown_report, rich_table
-from specwise.bench.runner import TIE_MARGIN, BenchResult, Summary, summarize
-from specwise.bench.sweep import Sweep, join_spec, split_spec
 from specwise.cli import main
 from specwise.errors import ConfigError, DrafterError
+from specwise.lab.bench import RunRecord, parse_contender, run_benchmark, specwise_contender
+from specwise.lab.bench.plots import PLOT_FILES, sweep_table, write_bench_plots
+from specwise.lab.bench.report import markdown_report, rich_table
+from specwise.lab.bench.runner import TIE_MARGIN, BenchResult, Summary, summarize
+from specwise.lab.bench.sweep import Sweep, join_spec, split_spec
 from specwise.prompts import PromptRecord, default_prompt_records, humaneval_prompt_records, load_prompts
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -236,7 +236,7 @@ def test_results_json_schema_is_stable(tiny_run):
     result, _ = tiny_run
     data = json.loads(json.dumps(result.to_dict()))
     assert set(data) == RESULT_KEYS
-    assert data["schema"] == "specwise.bench/1"
+    assert data["schema"] == "specwise.lab.bench/1"
     assert set(data["config"]) == CONFIG_KEYS | {"sweep"}
     assert set(data["config"]["sweep"]) == {"key", "values", "contenders"}
     assert all(set(r) == RECORD_KEYS for r in data["records"])

@@ -12,14 +12,15 @@ import torch
 
 import specwise
 from conftest import ARCHS, make_target, random_prompt, reference_greedy
-from specwise.checkpoint import DrafterCheckpoint, load_drafter, save_checkpoint, target_fingerprint
+from specwise.api import load_drafter
+from specwise.drafters.checkpoint import DrafterCheckpoint, save_checkpoint, target_fingerprint
 from specwise.drafters.dflash import DFlashDrafter, DFlashDrafterConfig, load_dflash
+from specwise.engine.loop import speculative_generate
+from specwise.engine.sampling import SamplingConfig
+from specwise.engine.types import DraftContext
 from specwise.errors import ConfigError, DrafterError
-from specwise.loop import speculative_generate
 from specwise.models.dflash import DFlashConfig, DFlashModel
 from specwise.models.eagle import rotary
-from specwise.sampling import SamplingConfig
-from specwise.types import DraftContext, StepFeedback
 
 LAYERS = (0, 1, 2)
 VOCAB_D = 96
@@ -234,7 +235,7 @@ def test_greedy_accepts_when_the_drafter_guesses_right(monkeypatch):
     def oracle(ctx):
         real_propose(ctx)  # keep the cache bookkeeping
         done = ctx.token_ids.numel() - prompt.numel()
-        from specwise.types import Proposal
+        from specwise.engine.types import Proposal
         return Proposal(torch.tensor(truth[done: done + min(5, ctx.max_draft_tokens)], dtype=torch.long))
 
     monkeypatch.setattr(drafter, "propose", oracle)
@@ -311,12 +312,11 @@ def test_a_drafter_for_another_target_is_refused(tmp_path):
 
 
 def test_dflash_recipe_learns_and_validates_on_a_tiny_corpus(tmp_path):
-    from test_training import _records
-
     from specwise.training.corpus import CorpusConfig, build_corpus
     from specwise.training.dflash_recipe import DFlashRecipe, DFlashRecipeConfig
     from specwise.training.features import FeatureConfig, draft_vocabulary, extract_features, token_frequencies
     from specwise.training.trainer import TrainConfig, train
+    from test_training import _records
 
     target = make_target("llama")
     corpus = tmp_path / "corpus"

@@ -9,7 +9,6 @@ references recompute each output from scratch along one explicit path.
 from __future__ import annotations
 
 import json
-
 from dataclasses import replace
 
 import pytest
@@ -17,13 +16,14 @@ import torch
 
 import specwise
 from conftest import ARCHS, make_target, random_prompt, reference_greedy
-from specwise.checkpoint import DrafterCheckpoint, load_drafter, save_checkpoint, target_fingerprint
+from specwise.api import load_drafter
+from specwise.drafters.checkpoint import DrafterCheckpoint, save_checkpoint, target_fingerprint
 from specwise.drafters.eagle import EagleDrafter, EagleDrafterConfig, load_eagle_head
+from specwise.engine.loop import speculative_generate
+from specwise.engine.sampling import SamplingConfig
+from specwise.engine.types import DraftContext
 from specwise.errors import ConfigError, DrafterError
-from specwise.loop import speculative_generate
 from specwise.models.eagle import EagleConfig, EagleHead, default_feature_layers
-from specwise.sampling import SamplingConfig
-from specwise.types import DraftContext
 
 LAYERS = (0, 1, 2)
 VOCAB_D = 96
@@ -211,7 +211,7 @@ def test_tree_depth_shrinks_with_the_budget():
     ids = random_prompt(6, seed=1)
     drafter = _prefilled(target, make_head(target), ids, depth=5, tree_top_k=3, total_tokens=40)
     proposal = drafter.propose(DraftContext(ids, 2, SamplingConfig(), None, ids.numel() - 1))
-    from specwise.tree import DraftTree
+    from specwise.engine.tree import DraftTree
 
     assert int(DraftTree.build(ids[-1], proposal.tokens, proposal.parents).depth.max()) == 2
     drafter = _prefilled(target, make_head(target), ids, depth=5, tree_top_k=3, total_tokens=40)
@@ -240,7 +240,7 @@ def test_min_path_prob_keeps_the_full_trees_nodes_above_it(min_path_prob):
     ctx = DraftContext(ids, 50, SamplingConfig(), None, ids.numel() - 1)
     whole = full.propose(ctx)
     index, score, parent = full.candidates
-    from specwise.tree import best_nodes_tree
+    from specwise.engine.tree import best_nodes_tree
 
     chosen, _ = best_nodes_tree(score, parent, options["total_tokens"])
     above = [i for i, c in enumerate(chosen.tolist()) if float(score[c].exp()) >= min_path_prob]
@@ -374,12 +374,11 @@ def test_replay_by_depth_counts_runs_and_bonus_tokens():
 
 
 def test_eagle_recipe_learns_and_validates_on_a_tiny_corpus(tmp_path):
-    from test_training import _records
-
     from specwise.training.corpus import CorpusConfig, build_corpus
     from specwise.training.eagle_recipe import EagleRecipe, EagleRecipeConfig
     from specwise.training.features import FeatureConfig, draft_vocabulary, extract_features, token_frequencies
     from specwise.training.trainer import TrainConfig, train
+    from test_training import _records
 
     target = make_target("llama")
     corpus = tmp_path / "corpus"

@@ -14,9 +14,9 @@ import torch
 import specwise
 from conftest import (
     ARCHS,
+    VOCAB,
     OracleDrafter,
     RandomDrafter,
-    VOCAB,
     check_loop_records,
     check_stats,
     greedy_continuation,

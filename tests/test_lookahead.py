@@ -6,11 +6,19 @@ import numpy as np
 import pytest
 
 import specwise
-from conftest import (ARCHS, assert_distribution, check_tree_loop_records, make_target, random_prompt,
-                      recording, reference_greedy, repetitive_prompt)
+from conftest import (
+    ARCHS,
+    assert_distribution,
+    check_tree_loop_records,
+    make_target,
+    random_prompt,
+    recording,
+    reference_greedy,
+    repetitive_prompt,
+)
 from specwise.drafters.lookahead import LookaheadConfig, LookaheadDrafter, NgramPool, window_layout
+from specwise.engine.tree import merge_paths
 from specwise.errors import ConfigError
-from specwise.tree import merge_paths
 from test_sampling_e2e import PROMPT, V, exact_joint
 
 

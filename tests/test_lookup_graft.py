@@ -16,11 +16,11 @@ from specwise.drafters.dflash import DFlashDrafter, DFlashDrafterConfig
 from specwise.drafters.eagle import EagleDrafter, EagleDrafterConfig
 from specwise.drafters.lookup_graft import LOOKUP_PRIOR, LookupGraft, LookupGraftConfig, lookup_length
 from specwise.drafters.medusa import MedusaDrafter, MedusaDrafterConfig
+from specwise.engine.loop import speculative_generate
+from specwise.engine.sampling import SamplingConfig
+from specwise.engine.tree import DraftTree, graft_chain
+from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError
-from specwise.loop import speculative_generate
-from specwise.sampling import SamplingConfig
-from specwise.tree import DraftTree, graft_chain
-from specwise.types import DraftContext, Proposal, StepFeedback
 from test_dflash import make_dflash
 from test_eagle import make_head
 from test_medusa import make_heads, wide_tree

@@ -7,22 +7,21 @@ in ``test_sampling_e2e.py``.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 import specwise
 from conftest import ARCHS, make_target, random_prompt, reference_greedy
-from specwise.checkpoint import DrafterCheckpoint, load_drafter, save_checkpoint, target_fingerprint
+from specwise.api import load_drafter
+from specwise.drafters.checkpoint import DrafterCheckpoint, save_checkpoint, target_fingerprint
 from specwise.drafters.medusa import MedusaDrafter, MedusaDrafterConfig, MedusaTree, load_medusa_heads
+from specwise.engine.loop import speculative_generate
+from specwise.engine.sampling import SamplingConfig
+from specwise.engine.types import DraftContext
+from specwise.engine.verify import typical_tree_accept
 from specwise.errors import ConfigError, DrafterError
-from specwise.loop import speculative_generate
 from specwise.models.medusa import MedusaConfig, MedusaHeads
 from specwise.models.medusa_tree import expected_accepted, rank_paths, tree_from_paths
-from specwise.sampling import SamplingConfig
-from specwise.types import DraftContext
-from specwise.verify import typical_tree_accept
 
 VOCAB_D = 96
 
@@ -266,14 +265,18 @@ def test_heads_for_another_target_are_refused(tmp_path):
 
 
 def test_medusa_recipe_learns_calibrates_and_validates(tmp_path):
-    from test_training import _records
-
     from specwise.training.corpus import CorpusConfig, build_corpus
     from specwise.training.draft_recipe import is_validation
-    from specwise.training.features import (FeatureConfig, draft_vocabulary, extract_features, iter_labelled,
-                                            token_frequencies)
+    from specwise.training.features import (
+        FeatureConfig,
+        draft_vocabulary,
+        extract_features,
+        iter_labelled,
+        token_frequencies,
+    )
     from specwise.training.medusa_recipe import MedusaRecipe, MedusaRecipeConfig
     from specwise.training.trainer import TrainConfig, train
+    from test_training import _records
 
     target = make_target("llama")
     corpus = tmp_path / "corpus"

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import (VOCAB, RandomTreeDrafter, SampledTreeDrafter, greedy_continuation, make_target,
-                      make_tokenizer, random_prompt)
 from transformers import CohereConfig, CohereForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
-from specwise.loop import speculative_generate
-from specwise.node_logits import NodeValues, TreeLogits, first_child_path
-from specwise.sampling import SamplingConfig
-from specwise.target import Target
-from specwise.tree import DraftTree
+from conftest import (
+    VOCAB,
+    RandomTreeDrafter,
+    SampledTreeDrafter,
+    greedy_continuation,
+    make_target,
+    make_tokenizer,
+    random_prompt,
+)
+from specwise.engine.loop import speculative_generate
+from specwise.engine.node_logits import NodeValues, TreeLogits, first_child_path
+from specwise.engine.sampling import SamplingConfig
+from specwise.engine.target import Target
+from specwise.engine.tree import DraftTree
 
 CHILDREN = ((1, 4), (2, 3), (), (), (5,), ())  # 0 -> 1 -> {2, 3}; 0 -> 4 -> 5
 
@@ -111,7 +118,7 @@ def tree_logits_made(monkeypatch) -> list[TreeLogits]:
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr("specwise.loop.TreeLogits", Recorded)
+    monkeypatch.setattr("specwise.engine.loop.TreeLogits", Recorded)
     return made
 
 
@@ -149,7 +156,7 @@ def test_sampled_walks_match_all_rows_exactly(rule, penalty, tree_logits_made):
 
 
 def test_verify_tree_accepts_plain_logits():
-    from specwise.loop import verify_tree
+    from specwise.engine.loop import verify_tree
 
     tree = DraftTree.build(5, torch.tensor([7, 8, 9]), torch.tensor([0, 0, 1]))
     logits = torch.full((4, 12), -5.0, dtype=torch.float64)

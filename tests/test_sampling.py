@@ -1,4 +1,4 @@
-"""Logits processing (specwise.sampling) against the by-the-definition reference in conftest."""
+"""Logits processing (specwise.engine.sampling) against the by-the-definition reference in conftest."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import reference_scores
-from specwise.loop import verify_chain
-from specwise.sampling import SamplingConfig, nucleus, prefix_token_masks, probs_from_scores, process_logits
+from specwise.engine.loop import verify_chain
+from specwise.engine.sampling import SamplingConfig, nucleus, prefix_token_masks, probs_from_scores, process_logits
 
 V = 24
 

@@ -26,9 +26,9 @@ from conftest import (
 )
 from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter
 from specwise.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
+from specwise.engine.sampling import SamplingConfig
+from specwise.engine.types import DraftContext
 from specwise.errors import ConfigError
-from specwise.sampling import SamplingConfig
-from specwise.types import DraftContext
 
 ROLE_OFFSETS = {"first": lambda k: 0, "middle": lambda k: k // 2, "last": lambda k: k - 1, "bonus": lambda k: k}
 

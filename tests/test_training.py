@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 
 import specwise
 from conftest import make_target, random_prompt, reference_greedy
-from specwise.checkpoint import DrafterCheckpoint, load_checkpoint, load_drafter, save_checkpoint, target_fingerprint
+from specwise.api import load_drafter
+from specwise.drafters.checkpoint import DrafterCheckpoint, load_checkpoint, save_checkpoint, target_fingerprint
 from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter, load_draft_lm
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.draft_lm import DraftLM, DraftLMConfig
@@ -321,8 +322,9 @@ def test_borrowed_target_layers_are_shared_frozen_and_not_stored(tmp_path):
     loaded = load_draft_lm(tmp_path / "d", target)
     with torch.no_grad():
         assert torch.equal(model(ids), loaded(ids))
-    from specwise.models.export import export_hf
     from transformers import AutoModelForCausalLM
+
+    from specwise.models.export import export_hf
 
     export_hf(loaded, target, tmp_path / "hf", dtype=torch.float64)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64)
@@ -497,7 +499,7 @@ def test_cli_builds_trains_and_generates_end_to_end(tmp_path):
 
 
 def test_hf_assisted_peer_runs_a_specwise_draft_lm(tmp_path):
-    from specwise.bench.contenders import hf_peer_specs, load_assistant, parse_contender
+    from specwise.lab.bench.contenders import hf_peer_specs, load_assistant, parse_contender
 
     assert hf_peer_specs(["ar", "draft"])[-1] == "hf-assisted[assistant=default]"
     assert hf_peer_specs(["draft[drafter=/x]"])[-1] == "hf-assisted[assistant=/x]"
@@ -515,7 +517,7 @@ def test_hf_assisted_peer_runs_a_specwise_draft_lm(tmp_path):
 
 def test_cli_draft_without_a_drafter_uses_the_shipped_one_or_fails_fast(capsys):
     from specwise.cli import main
-    from specwise.drafters.draft_model import shipped_drafter
+    from specwise.drafters.checkpoint import shipped_drafter
 
     assert shipped_drafter("gemma-3-270m", "draft") is not None  # the default for the default target
     assert main(["generate", "--target", "/nonexistent/model", "--method", "draft", "hi"]) == 2

@@ -30,7 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specwise
-import specwise.target
+import specwise.engine.target
 from conftest import (
     ARCHS,
     TREE_SHAPES,
@@ -49,10 +49,10 @@ from conftest import (
     recording,
     repetitive_prompt,
 )
-from specwise.target import AttentionLayout
-from specwise.tree import DraftTree, additive_attention_mask, best_nodes_tree
-from specwise.types import AuxiliaryTokens
-from specwise.verify import SIBLING_RULES, greedy_tree_accept, tree_speculative_sample
+from specwise.engine.target import AttentionLayout
+from specwise.engine.tree import DraftTree, additive_attention_mask, best_nodes_tree
+from specwise.engine.types import AuxiliaryTokens
+from specwise.engine.verify import SIBLING_RULES, greedy_tree_accept, tree_speculative_sample
 from test_sampling_e2e import PROMPT as SMALL_PROMPT
 from test_sampling_e2e import V as SMALL_V
 from test_sampling_e2e import exact_joint
@@ -266,8 +266,8 @@ def test_tree_forward_is_sensitive_to_the_window_and_the_tree_mask(monkeypatch):
     causal = target.forward(tree.tokens, cache, logit_rows=torch.arange(tree.size), layout=chain)
     assert max(_node_errors(target, prefix, tree, causal.logits)) > 1e-2
 
-    original = specwise.target.additive_attention_mask
-    monkeypatch.setattr(specwise.target, "additive_attention_mask",
+    original = specwise.engine.target.additive_attention_mask
+    monkeypatch.setattr(specwise.engine.target, "additive_attention_mask",
                         lambda t, visible, positions, dtype, window=None: original(t, visible, positions, dtype, None))
     _, unwindowed = _tree_forward(target, prefix, tree, logit_rows=torch.arange(tree.size))
     errors = _node_errors(target, prefix, tree, unwindowed.logits)
@@ -645,7 +645,7 @@ def test_end_to_end_check_detects_a_lossy_tree_verifier(monkeypatch):
             path.append(node)
         return path, int(torch.multinomial(probs[node], 1, generator=generator))
 
-    monkeypatch.setattr("specwise.loop.tree_speculative_sample", first_children)
+    monkeypatch.setattr("specwise.engine.loop.tree_speculative_sample", first_children)
     sampling = dict(temperature=0.8)
     target = make_target("llama", 0, vocab_size=SMALL_V, eos=())
     counts, _, _ = _sampled_tree_counts("iid", E2E_SEEDS // 5, sampling)

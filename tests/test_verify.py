@@ -1,4 +1,4 @@
-"""Verification maths (specwise.verify): fixed outcomes on hand-built distributions, then statistics.
+"""Verification maths (specwise.engine.verify): fixed outcomes on hand-built distributions, then statistics.
 
 The statistical tests draw 20,000 verifications on synthetic target (p) and draft (q)
 distributions over V = 6 tokens and check the two identities of ALGORITHMS.md §1.2: the emitted
@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import assert_distribution, assert_rate
-from specwise.verify import greedy_accept, residual_distribution, speculative_sample
+from specwise.engine.verify import greedy_accept, residual_distribution, speculative_sample
 
 V = 6
 N = 20_000
@@ -226,7 +226,7 @@ def test_two_token_chain_joint_distribution(delta):
 def test_statistical_check_detects_a_biased_sampler(monkeypatch):
     """The check above has power: resampling from p instead of the residual after a rejection (a
     classic bug) over-weights the tokens q likes, and the chi-square test must notice."""
-    monkeypatch.setattr("specwise.verify.residual_distribution", lambda p, q, rejected: p)
+    monkeypatch.setattr("specwise.engine.verify.residual_distribution", lambda p, q, rejected: p)
     drafts = torch.multinomial(Q, N, replacement=True, generator=torch.Generator().manual_seed(123))
     first, _, _ = _verify_many(P, Q, drafts)
     with pytest.raises(AssertionError, match="not distributed as expected"):

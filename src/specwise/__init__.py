@@ -6,13 +6,12 @@
     result.text, result.token_ids, result.stats
 """
 
-from specwise.api import build_drafter, generate
-from specwise.checkpoint import load_drafter
+from specwise.api import build_drafter, generate, load_drafter
 from specwise.drafters import METHODS, Drafter, register_drafter
+from specwise.engine.sampling import SamplingConfig
+from specwise.engine.target import Target, load_target
+from specwise.engine.types import GenerationResult, Proposal, SpecStats
 from specwise.errors import SpecwiseError
-from specwise.sampling import SamplingConfig
-from specwise.target import Target, load_target
-from specwise.types import GenerationResult, Proposal, SpecStats
 
 __all__ = [
     "METHODS", "Drafter", "GenerationResult", "Proposal", "SamplingConfig", "SpecStats",

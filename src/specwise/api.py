@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 from specwise.drafters import METHODS, Drafter
+from specwise.drafters.checkpoint import read_config
+from specwise.engine.loop import speculative_generate
+from specwise.engine.sampling import SamplingConfig
+from specwise.engine.types import GenerationResult
 from specwise.errors import ConfigError, PromptError
-from specwise.loop import speculative_generate
-from specwise.sampling import SamplingConfig
-from specwise.types import GenerationResult
 
 
 def build_drafter(target, method: str, **options: Any) -> Drafter:
@@ -23,6 +25,26 @@ def build_drafter(target, method: str, **options: Any) -> Drafter:
     """
     spec = METHODS.get(method)
     return spec.factory(target, spec.make_config(**options))
+
+
+def load_drafter(path: str | Path, target, **options):
+    """Build the drafter stored in ``path`` for ``target``.
+
+    Args:
+        path: a drafter directory (``config.json`` + ``model.safetensors``).
+        target: the :class:`specwise.engine.target.Target`.
+        **options: the method's options (e.g. ``num_draft_tokens``).
+
+    Returns:
+        a :class:`specwise.drafters.base.Drafter`.
+
+    Raises:
+        DrafterError: not a drafter, missing weights, or trained for another target.
+        ConfigError: an option the method does not take.
+    """
+    config = read_config(path)
+    spec = METHODS.get(config["method"])
+    return spec.factory(target, spec.make_config(drafter=str(path), **options))
 
 
 def generate(
@@ -47,7 +69,7 @@ def generate(
     same distribution under sampling.
 
     Args:
-        target: a :class:`specwise.target.Target` (see :func:`specwise.load_target`).
+        target: a :class:`specwise.engine.target.Target` (see :func:`specwise.load_target`).
         prompt: text (tokenized with the target's tokenizer, BOS added) or token ids.
         method: a registered method name (``ar``, ``pld``, ``draft``, ...); ignored when
             ``drafter`` is given.

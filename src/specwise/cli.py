@@ -9,9 +9,29 @@ import argparse
 import contextlib
 import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
-from specwise.errors import SpecwiseError
+import transformers
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from specwise.drafters.checkpoint import shipped_drafter
+from specwise.drafters.spec import parse_option_value, split_specs
+from specwise.engine.clock import machine_info
+from specwise.errors import ConfigError, SpecwiseError
+from specwise.prompts import (
+    default_prompt_records,
+    is_held_out,
+    load_prompts,
+    take_per_category,
+)
 
 DEFAULT_TARGET = "gemma-3-270m"
 
@@ -44,8 +64,6 @@ def method_options(args: argparse.Namespace) -> dict:
     Raises:
         ConfigError: an ``--option`` that is not ``KEY=VALUE``.
     """
-    from specwise.bench.contenders import parse_option_value
-    from specwise.errors import ConfigError
 
     names = {"num_draft_tokens": args.num_draft_tokens, "drafter": args.drafter,
              "max_ngram_size": args.max_ngram_size, "min_ngram_size": args.min_ngram_size}
@@ -64,7 +82,7 @@ def _progress(message: str) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import specwise
-    from specwise.report import stats_table
+    from specwise.lab.report import stats_table
 
     if not args.prompt.strip():
         raise specwise.errors.PromptError("the prompt is empty.")
@@ -78,9 +96,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     options = method_options(args)
     config = spec.make_config(**options)
     if hasattr(config, "drafter"):  # a trained drafter: fail before the (slower) target load
-        from pathlib import Path
 
-        from specwise.drafters.draft_model import shipped_drafter
 
         if config.drafter is None and shipped_drafter(args.target, args.method) is None:
             what = "a draft model" if args.method == "draft" else "a trained drafter"
@@ -89,7 +105,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "(one ships only for gemma-3-270m).")
         if config.drafter is not None and not Path(config.drafter).exists():
             raise specwise.errors.DrafterError(f"the drafter {config.drafter} does not exist.")
-    specwise.target.resolve_device(args.device)
+    specwise.engine.target.resolve_device(args.device)
     target = specwise.load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
     streamer = None
     if not args.json:
@@ -104,7 +120,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
     else:
         print()
-        from rich.console import Console
 
         Console(stderr=False).print(stats_table([result.stats]))
     return 0
@@ -129,42 +144,22 @@ class _TextStreamer:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from specwise.demo import run_demo
+    from specwise.lab.demo import run_demo
 
     return run_demo(target_name=args.target, max_new_tokens=args.max_new_tokens, device=args.device,
                     progress=_progress)
 
 
-def split_specs(text: str) -> list[str]:
-    """Split ``'ar,pld[a=1,b=2],hf-pld'`` on the commas outside brackets."""
-    specs, depth, current = [], 0, ""
-    for ch in text:
-        depth += {"[": 1, "]": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            specs.append(current.strip())
-            current = ""
-        else:
-            current += ch
-    specs.append(current.strip())
-    return [s for s in specs if s]
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     import specwise
-    from specwise.bench import parse_contender, run_benchmark
-    from specwise.bench.contenders import hf_peer_specs
-    from specwise.machine import machine_info
-    from specwise.bench.report import markdown_report, rich_table
-    from specwise.prompts import default_prompt_records, load_prompts, take_per_category
+    from specwise.lab.bench import parse_contender, run_benchmark
+    from specwise.lab.bench.contenders import hf_peer_specs
+    from specwise.lab.bench.report import markdown_report, rich_table
 
     records = load_prompts(args.prompts) if args.prompts else default_prompt_records()
     if args.held_out:
-        from specwise.prompts import is_held_out
 
         records = [r for r in records if is_held_out(r)]
     if args.per_category:
@@ -176,7 +171,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         specs += hf_peer_specs(specs)
     sweep = None
     if args.sweep:  # one contender per value, all measured side by side in the same run
-        from specwise.bench.sweep import Sweep
+        from specwise.lab.bench.sweep import Sweep
 
         specs, sweep = Sweep.parse(args.sweep).expand(specs)
     target = specwise.load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
@@ -199,7 +194,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = run_benchmark(target, records, contenders, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, seed=args.seed, on_progress=on_progress,
                                extra_config=extra)
-    from specwise.bench.plots import write_bench_plots
+    from specwise.lab.bench.plots import write_bench_plots
 
     results = result.to_dict()
     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -242,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run every drafting method once per value of one option, e.g. num_draft_tokens=1,3,5,7")
     bench.set_defaults(func=cmd_bench)
     analyze = sub.add_parser("analyze", help="speedup model: calibrate costs on this machine, plot, check against a bench run")
-    from specwise.analysis.cli import add_analyze_args, cmd_analyze
+    from specwise.lab.analysis.cli import add_analyze_args, cmd_analyze
 
     add_analyze_args(analyze, default_target=DEFAULT_TARGET)
     analyze.set_defaults(func=cmd_analyze)
@@ -257,7 +252,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _quiet_transformers() -> None:
     """The CLI prints its own progress: silence transformers' load bars and advisory warnings."""
-    import transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specwise.drafters.base import Drafter, MethodConfig, register_drafter
-from specwise.types import DraftContext, Proposal
+from specwise.engine.types import DraftContext, Proposal
 
 
 @dataclass(frozen=True)

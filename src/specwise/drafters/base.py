@@ -1,46 +1,19 @@
-"""The one interface every drafting method implements, and the registry of methods by name.
+"""The registry of drafting methods by name, and the base of their option dataclasses.
 
-A drafter proposes draft tokens from the committed context (:meth:`Drafter.propose`); the loop
-verifies them in one target forward and tells the drafter what was accepted
-(:meth:`Drafter.observe`). Drafters that condition on the target's hidden states declare the layers
-they need in ``target_hidden_layers``; the loop asks the target for exactly those.
+The interface itself, :class:`Drafter`, is the engine's (:mod:`specwise.engine.drafter`); it is
+re-exported here for drafter modules.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable
 
 from specwise.errors import ConfigError, DrafterError
-from specwise.types import DraftContext, Proposal, StepFeedback
 
-
-class Drafter(ABC):
-    """Base class of every drafting method (ARCHITECTURE.md §2).
-
-    Lifecycle per generation: ``reset()``, ``prefill(ctx)`` once after the target's prefill, then
-    ``propose(ctx)`` / ``observe(feedback)`` once per verification step.
-    """
-
-    #: the registry name, e.g. ``"pld"``
-    method: ClassVar[str] = ""
-    #: hidden-state indices (HF ``hidden_states`` indexing) the drafter needs from the target
-    target_hidden_layers: tuple[int, ...] = ()
-
-    def reset(self) -> None:
-        """Forget all per-generation state."""
-
-    def prefill(self, ctx: DraftContext) -> None:
-        """Called once with the prompt and the first target token (the first root)."""
-
-    @abstractmethod
-    def propose(self, ctx: DraftContext) -> Proposal:
-        """Return at most ``ctx.max_draft_tokens`` draft tokens following ``ctx.token_ids``."""
-
-    def observe(self, feedback: StepFeedback) -> None:
-        """Called after each verification step with the committed tokens."""
+__all__ = ["Drafter", "DraftingConfig", "METHODS", "MethodConfig", "MethodRegistry", "MethodSpec", "register_drafter"]
+from specwise.engine.drafter import Drafter
 
 
 @dataclass(frozen=True)

@@ -41,13 +41,18 @@ from dataclasses import dataclass
 
 import torch
 
-from specwise.drafters.base import Drafter, check_probability_threshold, register_drafter
+from specwise.drafters.base import (
+    Drafter,
+    check_probability_threshold,
+    register_drafter,
+)
+from specwise.drafters.checkpoint import load_vocabulary_module, shipped_drafter
 from specwise.drafters.lookup_graft import LookupGraft, LookupGraftConfig
+from specwise.engine.tree import best_nodes_tree, log_threshold
+from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.dflash import DFlashConfig, DFlashModel
 from specwise.models.eagle import HeadCache
-from specwise.tree import best_nodes_tree, log_threshold
-from specwise.types import DraftContext, Proposal, StepFeedback
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,6 @@ def load_dflash(path, target) -> DFlashModel:
     Raises:
         DrafterError: not a DFlash checkpoint, trained for another target, or weights that do not fit.
     """
-    from specwise.checkpoint import load_vocabulary_module
 
     model, found = load_vocabulary_module(path, target, "dflash", "the DFlash drafter", DFlashConfig,
                                           lambda config, vocab: DFlashModel(target, config, vocab, initialize=False),
@@ -97,7 +101,7 @@ class DFlashDrafter(Drafter):
     """DFlash drafting.
 
     Args:
-        target: the :class:`specwise.target.Target`.
+        target: the :class:`specwise.engine.target.Target`.
         config: :class:`DFlashDrafterConfig`; ``config.drafter`` names the drafter unless ``model``
             is given; without either, the one shipped for the target is used.
         model: an already built :class:`DFlashModel` (in the target's dtype, on its device).
@@ -110,7 +114,6 @@ class DFlashDrafter(Drafter):
     """
 
     def __init__(self, target, config: DFlashDrafterConfig, model: DFlashModel | None = None) -> None:
-        from specwise.drafters.draft_model import shipped_drafter
 
         self.config = config
         if model is None:

@@ -22,15 +22,22 @@ verified row for nothing. It changes which tokens are proposed, never the output
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from specwise.cache import KVCache
 from specwise.drafters.base import Drafter, DraftingConfig, register_drafter
+from specwise.drafters.checkpoint import is_checkpoint, load_checkpoint, shipped_drafter
+from specwise.engine.cache import KVCache
+from specwise.engine.loading import load_model_and_tokenizer
+from specwise.engine.sampling import (
+    prefix_token_masks,
+    probs_from_scores,
+    process_logits,
+    sample_token,
+)
+from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError, DrafterError
-from specwise.sampling import prefix_token_masks, probs_from_scores, process_logits, sample_token
-from specwise.types import DraftContext, Proposal, StepFeedback
+from specwise.models.draft_lm import DraftLM, DraftLMConfig
 
 
 @dataclass(frozen=True)
@@ -93,23 +100,12 @@ class _DraftLMStep:
         return self.model.next_logits(feed, cache.hf_cache)
 
 
-def shipped_drafter(target, method: str) -> Path | None:
-    """The drafter of ``method`` that ships with specwise for ``target`` (a Target, or its name), if any."""
-    from importlib.resources import files
-
-    name = target if isinstance(target, str) else target.name
-    path = Path(str(files("specwise").joinpath(f"data/drafters/{name}/{method}")))
-    return path if (path / "config.json").is_file() else None
-
-
 def load_draft_lm(path, target):
     """Load a specwise draft-LM checkpoint for ``target`` (in the target's dtype and device).
 
     Raises:
         DrafterError: not a draft-LM checkpoint, trained for another target, or bad weights.
     """
-    from specwise.checkpoint import load_checkpoint
-    from specwise.models.draft_lm import DraftLM, DraftLMConfig
 
     ckpt = load_checkpoint(path, target, method="draft")
     arch = ckpt.architecture
@@ -133,7 +129,7 @@ class DraftModelDrafter(Drafter):
     """Speculative sampling with a separate draft LM.
 
     Args:
-        target: the :class:`specwise.target.Target`.
+        target: the :class:`specwise.engine.target.Target`.
         config: :class:`DraftModelConfig`; ``config.drafter`` names the model to load unless
             ``draft_model`` is given; without either, the drafter shipped for the target is used.
         draft_model: an already loaded HF causal LM or :class:`DraftLM` (on the target's device).
@@ -144,8 +140,6 @@ class DraftModelDrafter(Drafter):
     """
 
     def __init__(self, target, config: DraftModelConfig, draft_model=None) -> None:
-        from specwise.checkpoint import is_checkpoint
-        from specwise.models.draft_lm import DraftLM
 
         self.config = config
         self.vocab_size = target.vocab_size
@@ -159,7 +153,6 @@ class DraftModelDrafter(Drafter):
             if is_checkpoint(path):
                 draft_model = load_draft_lm(path, target)
             else:
-                from specwise.loading import load_model_and_tokenizer
 
                 draft_model, draft_tokenizer, name = load_model_and_tokenizer(
                     str(path), dtype=target.dtype, device=target.device, role="draft model"

@@ -38,12 +38,17 @@ from dataclasses import dataclass
 
 import torch
 
-from specwise.drafters.base import Drafter, check_probability_threshold, register_drafter
+from specwise.drafters.base import (
+    Drafter,
+    check_probability_threshold,
+    register_drafter,
+)
+from specwise.drafters.checkpoint import load_vocabulary_module, shipped_drafter
 from specwise.drafters.lookup_graft import LookupGraft, LookupGraftConfig
+from specwise.engine.tree import best_nodes_tree, log_threshold
+from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.eagle import EagleConfig, EagleHead, HeadCache
-from specwise.tree import best_nodes_tree, log_threshold
-from specwise.types import DraftContext, Proposal, StepFeedback
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,6 @@ def load_eagle_head(path, target) -> EagleHead:
     Raises:
         DrafterError: not an EAGLE checkpoint, trained for another target, or weights that do not fit.
     """
-    from specwise.checkpoint import load_vocabulary_module
 
     head, _ = load_vocabulary_module(path, target, "eagle", "the EAGLE head", EagleConfig,
                                      lambda config, vocab: EagleHead(target, config, vocab, initialize=False),
@@ -95,7 +99,7 @@ class EagleDrafter(Drafter):
     """EAGLE-3 drafting with EAGLE-2 dynamic trees.
 
     Args:
-        target: the :class:`specwise.target.Target`.
+        target: the :class:`specwise.engine.target.Target`.
         config: :class:`EagleDrafterConfig`; ``config.drafter`` names the head unless ``head`` is
             given; without either, the head shipped for the target is used.
         head: an already built :class:`EagleHead` (in the target's dtype, on its device).
@@ -106,7 +110,6 @@ class EagleDrafter(Drafter):
     """
 
     def __init__(self, target, config: EagleDrafterConfig, head: EagleHead | None = None) -> None:
-        from specwise.drafters.draft_model import shipped_drafter
 
         self.config = config
         if head is None:

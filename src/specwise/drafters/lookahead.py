@@ -25,9 +25,9 @@ import torch
 
 from specwise.drafters.base import Drafter, MethodConfig, check_flag, register_drafter
 from specwise.drafters.prompt_lookup import find_continuation
+from specwise.engine.tree import merge_paths
+from specwise.engine.types import AuxiliaryTokens, DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError
-from specwise.tree import merge_paths
-from specwise.types import AuxiliaryTokens, DraftContext, Proposal, StepFeedback
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A small target repeats and copies its context often (a summary quotes its docume
 names, a greedy generation falls into a loop); a trained drafter predicts the next few tokens from
 features but cannot see far back. The graft adds what prompt lookup (``pld``) would draft — the
 tokens that followed the latest earlier occurrence of the context's last n-gram — to the model's
-draft tree as one more path from the root (:func:`specwise.tree.graft_chain`), and the target
+draft tree as one more path from the root (:func:`specwise.engine.tree.graft_chain`), and the target
 verifies both in the same forward. Every node stays a deterministic proposal, so greedy and sampled
 outputs stay exact.
 
@@ -27,9 +27,9 @@ import torch
 
 from specwise.drafters.base import MethodConfig, check_probability_threshold
 from specwise.drafters.prompt_lookup import find_continuation
+from specwise.engine.tree import graft_chain
+from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError
-from specwise.tree import graft_chain
-from specwise.types import DraftContext, Proposal, StepFeedback
 
 #: pseudo-counts (accepted lookup tokens, rejecting steps) added to the observed ones: a = 2/3 at first
 LOOKUP_PRIOR = (2.0, 1.0)

@@ -17,7 +17,7 @@ Acceptance:
   proposals. The tree is a deterministic function of the context, so a point mass is each node's
   exact proposal distribution and the output is distributed exactly as the target's.
 * ``acceptance="typical-lossy"``: Medusa's typical acceptance when sampling
-  (:class:`specwise.types.TypicalAcceptance`). Faster at high temperature, **not lossless**: the
+  (:class:`specwise.engine.types.TypicalAcceptance`). Faster at high temperature, **not lossless**: the
   output distribution differs from the target's (a test demonstrates it). Greedy decoding is exact
   either way.
 """
@@ -28,13 +28,23 @@ from dataclasses import dataclass
 
 import torch
 
-from specwise.drafters.base import Drafter, check_probability_threshold, register_drafter
+from specwise.drafters.base import (
+    Drafter,
+    check_probability_threshold,
+    register_drafter,
+)
+from specwise.drafters.checkpoint import load_vocabulary_module, shipped_drafter
 from specwise.drafters.lookup_graft import LookupGraft, LookupGraftConfig
+from specwise.engine.tree import DraftTree, best_nodes_tree, log_threshold
+from specwise.engine.types import (
+    DraftContext,
+    Proposal,
+    StepFeedback,
+    TypicalAcceptance,
+)
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.medusa import MedusaConfig, MedusaHeads
 from specwise.models.medusa_tree import tree_from_paths
-from specwise.tree import DraftTree, best_nodes_tree, log_threshold
-from specwise.types import DraftContext, Proposal, StepFeedback, TypicalAcceptance
 
 ACCEPTANCE_RULES = ("exact", "typical-lossy")
 
@@ -93,7 +103,6 @@ def load_medusa_heads(path, target) -> tuple[MedusaHeads, MedusaTree]:
     Raises:
         DrafterError: not a Medusa checkpoint, trained for another target, or weights that do not fit.
     """
-    from specwise.checkpoint import load_vocabulary_module
 
     heads, found = load_vocabulary_module(path, target, "medusa", "the Medusa heads", MedusaConfig,
                                           lambda config, vocab: MedusaHeads(target, config, vocab), extras=("tree",))
@@ -106,7 +115,7 @@ class MedusaDrafter(Drafter):
     """Medusa-1 drafting: K heads, a calibrated static tree.
 
     Args:
-        target: the :class:`specwise.target.Target`.
+        target: the :class:`specwise.engine.target.Target`.
         config: :class:`MedusaDrafterConfig`; ``config.drafter`` names the heads unless ``heads`` is
             given; without either, the heads shipped for the target are used.
         heads: already built :class:`MedusaHeads` (in the target's dtype, on its device).
@@ -120,7 +129,6 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, target, config: MedusaDrafterConfig, heads: MedusaHeads | None = None,
                  tree: MedusaTree | None = None) -> None:
-        from specwise.drafters.draft_model import shipped_drafter
 
         self.config = config
         if heads is None:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from specwise.drafters.base import Drafter, DraftingConfig, register_drafter
+from specwise.engine.types import DraftContext, Proposal
 from specwise.errors import ConfigError
-from specwise.types import DraftContext, Proposal
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -51,7 +52,6 @@ def to_hf_model(draft_lm, target, dtype: torch.dtype | None = None):
     Raises:
         DrafterError: the target's causal-LM class cannot be rebuilt from its config.
     """
-    import copy
 
     config = copy.deepcopy(draft_lm.decoder_config)
     config.architectures = [type(target.model).__name__]

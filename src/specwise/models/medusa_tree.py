@@ -54,7 +54,7 @@ def tree_from_paths(paths: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.T
     Returns:
         ``(depths, ranks, parents)``, each ``[N]`` long: node i+1's depth (1-based, so its head),
         its rank within that head's ranking, and its parent node (0 = the root), as
-        :class:`specwise.types.Proposal` expects.
+        :class:`specwise.engine.types.Proposal` expects.
 
     Raises:
         ValueError: a path whose parent path is missing or comes later.

@@ -6,13 +6,22 @@ import argparse
 import sys
 from pathlib import Path
 
+from specwise.drafters.checkpoint import read_config, shipped_drafter
+from specwise.drafters.draft_model import load_draft_lm
+from specwise.engine.target import load_target, resolve_dtype
+from specwise.errors import ConfigError, DrafterError
+from specwise.models.export import export_hf
+from specwise.prompts import load_prompts
+from specwise.training.corpus import SHARD_GLOB, CorpusConfig, build_corpus
+from specwise.training.precision import keep_freed_memory
+from specwise.training.recipes import RECIPES
+
 
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
 def _expand(paths: list[str]) -> list[Path]:
-    from specwise.errors import ConfigError
 
     out = []
     for item in paths:
@@ -44,10 +53,6 @@ def add_data_args(p: argparse.ArgumentParser, default_target: str) -> None:
 
 
 def cmd_data_build(args: argparse.Namespace) -> int:
-    from specwise.prompts import load_prompts
-    from specwise.target import load_target
-    from specwise.training.corpus import CorpusConfig, build_corpus
-    from specwise.training.precision import keep_freed_memory
 
     config = CorpusConfig(
         new_tokens=args.new_tokens, batch_size=args.batch_size, sampled_fraction=args.sampled_fraction,
@@ -105,16 +110,10 @@ def add_train_args(p: argparse.ArgumentParser, default_target: str) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from specwise.errors import ConfigError
-    from specwise.target import load_target
-    from specwise.training.precision import keep_freed_memory
-    from specwise.training.recipes import RECIPES
 
     if args.method not in RECIPES:
         raise ConfigError(f"no training recipe for {args.method!r}; available: {', '.join(RECIPES)}.")
     if args.init_from:  # fail before any features pass; the weights are checked in full later
-        from specwise.checkpoint import read_config
-        from specwise.errors import DrafterError
 
         found = read_config(args.init_from).get("method")
         if found != args.method:
@@ -128,9 +127,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _corpus_from(args: argparse.Namespace, target) -> Path:
-    from specwise.errors import ConfigError
-    from specwise.prompts import load_prompts
-    from specwise.training.corpus import SHARD_GLOB, CorpusConfig, build_corpus
 
     corpora = [Path(p) for p in args.data if Path(p).is_dir() and any(Path(p).glob(SHARD_GLOB))]
     if len(corpora) > 1:
@@ -151,10 +147,6 @@ def add_export_args(p: argparse.ArgumentParser, default_target: str) -> None:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    from specwise.drafters.draft_model import load_draft_lm, shipped_drafter
-    from specwise.errors import DrafterError
-    from specwise.models.export import export_hf
-    from specwise.target import load_target, resolve_dtype
 
     target = load_target(args.target, dtype=args.dtype, device="cpu", progress=_say)
     path = args.drafter or shipped_drafter(target, "draft")

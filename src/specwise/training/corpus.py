@@ -104,7 +104,7 @@ def build_corpus(
     """Build (or resume) a self-distillation corpus.
 
     Args:
-        target: a :class:`specwise.target.Target` (bf16 recommended; generation uses HF ``generate``).
+        target: a :class:`specwise.engine.target.Target` (bf16 recommended; generation uses HF ``generate``).
         records: training prompts; held-out ones are dropped here.
         out_dir: the corpus directory (created; existing shards are kept and their prompts skipped).
         config: :class:`CorpusConfig`.

@@ -26,7 +26,6 @@ from specwise.training.acceptance import ChainAcceptance, replay_chain
 from specwise.training.features import iter_labelled
 from specwise.training.trainer import Recipe
 
-
 LOSS_ON = ("generated", "all")
 
 

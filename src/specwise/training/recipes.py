@@ -11,10 +11,43 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
-from specwise.checkpoint import DrafterCheckpoint, load_checkpoint, read_config, save_checkpoint, target_fingerprint
-from specwise.training.trainer import LOG_NAME, STATE_NAME, TrainConfig, config_dict, join_process_group, train
+from specwise.drafters.checkpoint import (
+    DrafterCheckpoint,
+    load_checkpoint,
+    read_config,
+    save_checkpoint,
+    target_fingerprint,
+)
+from specwise.errors import DrafterError
+from specwise.models.dflash import DFlashConfig, DFlashModel
+from specwise.models.draft_lm import DraftLM, DraftLMConfig
+from specwise.models.eagle import EagleConfig, EagleHead, default_feature_layers
+from specwise.models.medusa import MedusaConfig, MedusaHeads, final_hidden_layer
+from specwise.training.dflash_recipe import DFlashRecipe, DFlashRecipeConfig
+from specwise.training.draft_recipe import DraftLMRecipe, DraftRecipeConfig
+from specwise.training.eagle_recipe import EagleRecipe, EagleRecipeConfig
+from specwise.training.features import (
+    FeatureConfig,
+    draft_vocabulary,
+    extract_features,
+    token_frequencies,
+    vocabulary_coverage,
+)
+from specwise.training.medusa_recipe import MedusaRecipe, MedusaRecipeConfig
+from specwise.training.plots import plot_training_curve
+from specwise.training.precision import choose_precision
+from specwise.training.trainer import (
+    LOG_NAME,
+    STATE_NAME,
+    TrainConfig,
+    config_dict,
+    join_process_group,
+    train,
+)
+from specwise.training.tree_calibration import calibrate_tree
 
 DRAFT_DEFAULTS = {"loss_on": "all", "lr": 5e-4, "batch_tokens": 4096, "draft_vocab_size": 32768, "init_layers": "0,-1", "minutes": 45.0,
                   "borrowed_layers": 0}
@@ -22,14 +55,12 @@ DRAFT_DEFAULTS = {"loss_on": "all", "lr": 5e-4, "batch_tokens": 4096, "draft_voc
 
 def is_main_process() -> bool:
     """True outside DDP, and on rank 0 inside it."""
-    import torch.distributed as dist
 
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def rank0_decides(flag: bool) -> bool:
     """Rank 0's ``flag`` on every rank under DDP (the ranks must train alike); ``flag`` otherwise."""
-    import torch.distributed as dist
 
     if not dist.is_initialized():
         return flag
@@ -42,7 +73,6 @@ def rank0_decides(flag: bool) -> bool:
 def main_process_first():
     """Run the block's work on rank 0 only (``yield`` tells whether this process does it); the
     other ranks wait at a barrier until it is done. Joins the process group under ``torchrun``."""
-    import torch.distributed as dist
 
     rank, _ = join_process_group()
     yield rank == 0
@@ -54,7 +84,6 @@ def choose_vocabulary(target, corpus: Path, size: int, say: Callable[[str], None
                       features_dir: Path | None = None) -> torch.Tensor:
     """The corpus's draft vocabulary: reuse the one its features were made with (in ``features_dir``,
     then beside the shards), else count tokens."""
-    from specwise.training.features import draft_vocabulary, token_frequencies, vocabulary_coverage
 
     for place in (features_dir, corpus):
         stored = place / "draft_vocab.safetensors" if place is not None else None
@@ -77,7 +106,6 @@ def taps_features_dir(corpus: Path, layers: tuple[int, ...]) -> Path:
 
 def feature_layers(target, args: argparse.Namespace) -> tuple[int, ...]:
     """``--feature-layers I,J,K``, else EAGLE-3's low / middle / high taps for the target's depth."""
-    from specwise.models.eagle import default_feature_layers
 
     if getattr(args, "feature_layers", None):
         return tuple(int(x) for x in args.feature_layers.split(","))
@@ -92,7 +120,6 @@ def tap_features(target, corpus: Path, layers: tuple[int, ...], size: int, args:
     Returns:
         ``(vocab [Vd] int64, features directory, minutes spent)``.
     """
-    from specwise.training.features import FeatureConfig, extract_features
 
     features_dir = taps_features_dir(corpus, layers)
     started = time.perf_counter()
@@ -107,9 +134,6 @@ def tap_features(target, corpus: Path, layers: tuple[int, ...], size: int, args:
 
 def train_draft(target, corpus: Path, out: Path, args: argparse.Namespace, say: Callable[[str], None]) -> Path:
     """Distil a draft LM (:mod:`specwise.training.draft_recipe`) and write its checkpoint to ``out``."""
-    from specwise.models.draft_lm import DraftLM, DraftLMConfig
-    from specwise.training.draft_recipe import DraftLMRecipe, DraftRecipeConfig
-    from specwise.training.features import FeatureConfig, extract_features
 
     pick = lambda name: getattr(args, name, None) if getattr(args, name, None) is not None else DRAFT_DEFAULTS[name]  # noqa: E731
     size = int(pick("draft_vocab_size"))
@@ -144,8 +168,6 @@ def train_eagle(target, corpus: Path, out: Path, args: argparse.Namespace, say: 
     The features (target top-k and the hidden states of the head's feature layers) go to
     :func:`taps_features_dir`.
     """
-    from specwise.models.eagle import EagleConfig, EagleHead
-    from specwise.training.eagle_recipe import EagleRecipe, EagleRecipeConfig
 
     pick = lambda name: getattr(args, name, None) if getattr(args, name, None) is not None else EAGLE_DEFAULTS[name]  # noqa: E731
     size = int(pick("draft_vocab_size"))
@@ -175,9 +197,6 @@ def train_medusa(target, corpus: Path, out: Path, args: argparse.Namespace, say:
 
     The features (target top-k and its final hidden state) go to :func:`taps_features_dir`.
     """
-    from specwise.models.medusa import MedusaConfig, MedusaHeads, final_hidden_layer
-    from specwise.training.medusa_recipe import MedusaRecipe, MedusaRecipeConfig
-    from specwise.training.tree_calibration import calibrate_tree
 
     pick = lambda name: getattr(args, name, None) if getattr(args, name, None) is not None else MEDUSA_DEFAULTS[name]  # noqa: E731
     size = int(pick("draft_vocab_size"))
@@ -209,8 +228,6 @@ def train_dflash(target, corpus: Path, out: Path, args: argparse.Namespace, say:
     The features (target top-k and the hidden states of the feature layers, by default the same
     low / middle / high layers as EAGLE's) go to :func:`taps_features_dir`, shared with EAGLE.
     """
-    from specwise.models.dflash import DFlashConfig, DFlashModel
-    from specwise.training.dflash_recipe import DFlashRecipe, DFlashRecipeConfig
 
     pick = lambda name: getattr(args, name, None) if getattr(args, name, None) is not None else DFLASH_DEFAULTS[name]  # noqa: E731
     size = int(pick("draft_vocab_size"))
@@ -250,7 +267,6 @@ def warm_start(model: torch.nn.Module, path: str | Path, method: str, vocab: tor
         DrafterError: another method or target, another architecture or draft vocabulary, or
             weights that do not fit.
     """
-    from specwise.errors import DrafterError
 
     ckpt = load_checkpoint(path, target, method=method)
     mine = json.loads(json.dumps({k: v for k, v in model.architecture().items() if k not in _INIT_ONLY}))
@@ -278,7 +294,6 @@ def _train_and_save(method: str, description: str, model, recipe, recipe_config,
     """Train ``model`` on ``recipe`` (``--steps``, else ``minutes``), then on rank 0 write the checkpoint
     (own weights + draft vocabulary, the recipe record, the last validation) and the training curve.
     ``extra_architecture(model)`` adds entries computed from the trained model (Medusa's tree)."""
-    from specwise.training.precision import choose_precision
 
     init_from = getattr(args, "init_from", None)
     if init_from and not (out / "trainer" / STATE_NAME).exists():  # a resumed run has its own weights
@@ -308,7 +323,6 @@ def _train_and_save(method: str, description: str, model, recipe, recipe_config,
     checkpoint = DrafterCheckpoint(method, architecture, target.name, target_fingerprint(target),
                                    tensors, record, {"validation": result.validation})
     save_checkpoint(checkpoint, out)
-    from specwise.training.plots import plot_training_curve
 
     plot_training_curve(out / "trainer" / LOG_NAME, out / "training_curve.png")
     say(f"validation: {result.validation}")

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm import tqdm
 
 from specwise.errors import ConfigError
 
@@ -131,7 +132,6 @@ def train(model: nn.Module, recipe: Recipe, config: TrainConfig, out_dir: str | 
     Raises:
         ConfigError: the recipe yields no batches, or the model has nothing to train.
     """
-    from tqdm import tqdm
 
     rank, world = join_process_group()
     out = Path(out_dir)

@@ -9,6 +9,11 @@ from typing import Callable
 
 import torch
 
+from specwise.engine.clock import DeviceClock
+from specwise.engine.timing import measure_forward_times
+from specwise.models.medusa import MedusaHeads
+from specwise.models.medusa_tree import rank_paths
+
 #: tree sizes (root included) whose verification cost is measured to pick the default static tree
 TREE_SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)
 
@@ -26,7 +31,6 @@ def calibrate_tree(heads, recipe, target, say: Callable[[str], None]) -> dict:
         ``{"paths", "default_nodes", "probabilities", "calibration"}`` (see
         :class:`specwise.drafters.medusa.MedusaTree`); at most ``max(TREE_SIZES)`` paths.
     """
-    from specwise.models.medusa_tree import rank_paths
 
     ranked = rank_paths(recipe.calibration_ranks(heads)) or [((0,), 0.0)]  # no hit at all: one top-1 node
     probabilities = [p for _, p in ranked]
@@ -44,8 +48,7 @@ def calibrate_tree(heads, recipe, target, say: Callable[[str], None]) -> dict:
 
 def measure_verify_times(target, sizes: tuple[int, ...], context_length: int = 128, repeats: int = 5) -> dict[int, float]:
     """Median seconds of a tree verification forward of n tokens (root included) after a cached
-    context, for each n in ``sizes`` (:func:`specwise.analysis.calibrate.measure_forward_times`)."""
-    from specwise.analysis.calibrate import measure_forward_times
+    context, for each n in ``sizes`` (:func:`specwise.engine.timing.measure_forward_times`)."""
 
     length = max(context_length, max(sizes))
     context = torch.randint(0, target.vocab_size, (length,), generator=torch.Generator().manual_seed(0))
@@ -56,8 +59,6 @@ def measure_verify_times(target, sizes: tuple[int, ...], context_length: int = 1
 @torch.inference_mode()
 def measure_heads_time(heads, target, repeats: int = 20) -> float:
     """Median seconds of one drafting call of the heads (all heads on one hidden state, plus top-k)."""
-    from specwise.machine import DeviceClock
-    from specwise.models.medusa import MedusaHeads
 
     clock = DeviceClock(target.device)
     hidden = torch.randn(heads.scale.numel(), device=target.device, dtype=target.dtype)

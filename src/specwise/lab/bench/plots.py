@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from specwise.bench.runner import BASELINE
+from specwise.lab.bench.runner import BASELINE
 
 #: file names written by :func:`write_bench_plots`, by plot
 PLOT_FILES = {

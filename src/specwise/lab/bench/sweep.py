@@ -12,9 +12,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from specwise.bench.contenders import parse_option_value, split_spec
-from specwise.bench.runner import BASELINE
+from specwise.drafters import METHODS
+from specwise.drafters.spec import parse_option_value, split_spec
 from specwise.errors import ConfigError
+from specwise.lab.bench.runner import BASELINE
 
 
 def join_spec(name: str, options: dict[str, Any]) -> str:
@@ -69,7 +70,6 @@ class Sweep:
             ConfigError: a method has no option named ``key``, or nothing would be swept.
             DrafterError: an unknown method.
         """
-        from specwise.drafters import METHODS
 
         out: list[str] = []
         swept: list[tuple[str, str, Any]] = []

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from specwise.sampling import sample_token
+from specwise.engine.sampling import sample_token
 
 _RESIDUAL_EPS = 1e-12
 
@@ -114,7 +114,7 @@ def greedy_tree_accept(
     """Greedy tree verification (ALGORITHMS.md §2.3): follow the child equal to the target's argmax.
 
     Args:
-        children: per node, its child node indices (see :class:`specwise.tree.DraftTree`).
+        children: per node, its child node indices (see :class:`specwise.engine.tree.DraftTree`).
         node_tokens: ``n`` token ids, node 0 the root.
         target_tokens: ``n`` target argmax ids; entry i is the target's choice after node i's path.
 

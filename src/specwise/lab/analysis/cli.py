@@ -15,6 +15,32 @@ import argparse
 import sys
 from pathlib import Path
 
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from specwise.drafters.spec import split_spec, split_specs
+from specwise.drafters.timing import calibrate
+from specwise.engine.cost_model import (
+    expected_tokens_per_step,
+    least_required_acceptance,
+    optimal_num_draft_tokens,
+)
+from specwise.engine.timing import Calibration
+from specwise.errors import ConfigError
+from specwise.lab.analysis.overlay import (
+    load_results,
+    measured_points,
+    mismatch_notes,
+    predict,
+    prediction_table,
+)
+from specwise.lab.analysis.plots import (
+    plot_speedup_vs_alpha,
+    plot_speedup_vs_k,
+    plot_verify_cost,
+)
+
 OPTIMAL_K_ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 NEEDED_SPEEDUPS = (1.2, 1.5, 2.0, 2.5, 3.0)  # columns of the "acceptance needed" table
 
@@ -56,12 +82,7 @@ def _progress(message: str) -> None:
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     """Run ``specwise analyze``; returns the exit code. Raises SpecwiseError on bad input."""
-    from rich.console import Console
 
-    from specwise.analysis.calibrate import Calibration
-    from specwise.analysis.overlay import load_results, measured_points, mismatch_notes, predict, prediction_table
-    from specwise.analysis.plots import plot_speedup_vs_alpha, plot_speedup_vs_k, plot_verify_cost
-    from specwise.errors import ConfigError
 
     out = Path(args.out)
     if args.calibrate and args.calibration:
@@ -105,9 +126,6 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace):
     import specwise
-    from specwise.analysis.calibrate import calibrate
-    from specwise.bench.sweep import split_spec
-    from specwise.cli import split_specs
 
     methods = split_specs(args.methods)
     for spec in methods:  # validate options before loading the model
@@ -120,8 +138,6 @@ def _calibrate(args: argparse.Namespace):
 
 def analysis_markdown(calibration, points, notes, plots, overlay) -> str:
     """The ``analysis.md`` report: costs, optimal k per method, predicted vs measured, plots."""
-    from specwise.analysis.model import expected_tokens_per_step, least_required_acceptance, optimal_num_draft_tokens
-    from specwise.analysis.overlay import prediction_table
 
     c = calibration
     v = c.verify_cost
@@ -172,8 +188,6 @@ def analysis_markdown(calibration, points, notes, plots, overlay) -> str:
 
 
 def _calibration_summary(calibration):
-    from rich.markup import escape
-    from rich.table import Table
 
     table = Table(title=f"calibration: {calibration.target} {calibration.dtype} on {calibration.device}, "
                         f"t(1) = {calibration.step_time_s * 1e3:.2f} ms")
@@ -191,8 +205,6 @@ def _calibration_summary(calibration):
 
 
 def _points_table(points):
-    from rich.markup import escape
-    from rich.table import Table
 
     fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     table = Table(title="predicted vs measured")

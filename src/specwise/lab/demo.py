@@ -8,7 +8,8 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
-from specwise.bench.runner import TIE_MARGIN, first_divergence
+from specwise.drafters.checkpoint import shipped_drafter
+from specwise.lab.bench.runner import TIE_MARGIN, first_divergence
 from specwise.prompts import builtin_prompt_file, load_prompts
 
 DEMO_CATEGORIES = ("code", "summarization", "rag")
@@ -22,7 +23,6 @@ def run_demo(target_name: str, max_new_tokens: int, device, progress) -> int:
     console = Console()
     target = specwise.load_target(target_name, dtype="bfloat16", device=device, progress=progress)
     records = [r for r in load_prompts([builtin_prompt_file()]) if r.category in DEMO_CATEGORIES]
-    from specwise.drafters.draft_model import shipped_drafter
 
     trained = tuple(m for m in ("draft", "eagle", "medusa", "dflash") if shipped_drafter(target, m))
     methods = ("ar", "pld", "lookahead") + trained

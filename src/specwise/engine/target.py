@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from specwise.cache import KVCache
+from specwise.engine.cache import KVCache
+from specwise.engine.loading import load_model_and_tokenizer
+from specwise.engine.tree import additive_attention_mask
 from specwise.errors import ConfigError
-from specwise.tree import additive_attention_mask
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
           "float64": torch.float64}
@@ -73,7 +74,7 @@ class Target:
         """The LM head on final hidden states: what the model's forward returns as logits.
 
         Lets a verification compute the LM head for only the tree nodes it visits
-        (:class:`specwise.node_logits.TreeLogits`); use it only where
+        (:class:`specwise.engine.node_logits.TreeLogits`); use it only where
         :attr:`computes_logits_from_hidden` is true.
 
         Args:
@@ -272,7 +273,6 @@ def load_target(
         TargetLoadError: the name is unknown or the files cannot be loaded.
         ConfigError: bad dtype or device.
     """
-    from specwise.loading import load_model_and_tokenizer
 
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)

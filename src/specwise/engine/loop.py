@@ -15,15 +15,31 @@ from typing import Callable, Sequence
 
 import torch
 
-from specwise.drafters.base import Drafter
-from specwise.machine import DeviceClock
-from specwise.node_logits import NodeValues, TreeLogits, first_child_path
-from specwise.sampling import SamplingConfig, prefix_token_masks, probs_from_scores, process_logits
-from specwise.target import AttentionLayout
-from specwise.tree import DraftTree
-from specwise.types import DraftContext, Proposal, SpecStats, StepFeedback, TypicalAcceptance
-from specwise.verify import (greedy_accept, greedy_tree_accept, speculative_sample, tree_speculative_sample,
-                             typical_tree_accept)
+from specwise.engine.clock import DeviceClock
+from specwise.engine.drafter import Drafter
+from specwise.engine.node_logits import NodeValues, TreeLogits, first_child_path
+from specwise.engine.sampling import (
+    SamplingConfig,
+    prefix_token_masks,
+    probs_from_scores,
+    process_logits,
+)
+from specwise.engine.target import AttentionLayout
+from specwise.engine.tree import DraftTree
+from specwise.engine.types import (
+    DraftContext,
+    Proposal,
+    SpecStats,
+    StepFeedback,
+    TypicalAcceptance,
+)
+from specwise.engine.verify import (
+    greedy_accept,
+    greedy_tree_accept,
+    speculative_sample,
+    tree_speculative_sample,
+    typical_tree_accept,
+)
 
 
 def verify_chain(
@@ -73,10 +89,10 @@ def verify_tree(
             that computes a node's row when the walk first reaches it (a path at a time).
         tree: the draft tree.
         draft_probs: ``[n-1, V]`` per draft node, or ``None``.
-        sibling_rule: see :func:`specwise.verify.tree_speculative_sample`.
+        sibling_rule: see :func:`specwise.engine.verify.tree_speculative_sample`.
         context_ids: ``[T+1]`` committed tokens ending with the root.
         typical: when sampling, walk the tree by the lossy typical-acceptance rule instead
-            (:func:`specwise.verify.typical_tree_accept`); it reads every node.
+            (:func:`specwise.engine.verify.typical_tree_accept`); it reads every node.
 
     Returns:
         ``(path, next_token)``: accepted node indices (root excluded) and the next root.
@@ -225,7 +241,7 @@ def speculative_generate(
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with one drafter.
 
     Args:
-        target: the :class:`specwise.target.Target` (batch size 1).
+        target: the :class:`specwise.engine.target.Target` (batch size 1).
         drafter: a reset-able :class:`Drafter`.
         prompt_ids: ``[P]`` long, P >= 1, on the target's device.
         max_new_tokens: >= 1.

@@ -8,7 +8,8 @@ from typing import Sequence
 from rich.markup import escape
 from rich.table import Table
 
-from specwise.bench.runner import BenchResult, Summary
+from specwise.lab.bench.plots import sweep_table
+from specwise.lab.bench.runner import BenchResult, Summary
 
 COLUMNS = ("contender", "prompts", "tok/s (median)", "speedup vs ar", "τ", "accept by position",
            "draft / verify / other s", "same as ar (near-tie / other diverged)")
@@ -64,7 +65,6 @@ def markdown_report(result: BenchResult, plots: Sequence[str | Path] = ()) -> st
 
 
 def _sweep_lines(result: BenchResult) -> list[str]:
-    from specwise.bench.plots import sweep_table
 
     key = result.config["sweep"]["key"]
     fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from specwise.sampling import SamplingConfig
+from specwise.engine.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Proposal:
         parents: ``[K]`` long for a tree: the node index of each token's parent, where node 0 is
             the root and token i is node i + 1 (so ``parents[i] <= i``); ``None`` for a chain.
         sibling_rule: for trees with ``draft_probs``: how siblings were drawn, ``"iid"`` or
-            ``"without_replacement"`` (see :func:`specwise.verify.tree_speculative_sample`).
+            ``"without_replacement"`` (see :func:`specwise.engine.verify.tree_speculative_sample`).
         auxiliary: extra tokens run in the same forward for the drafter (see :class:`AuxiliaryTokens`).
         typical: for trees: verify by the **lossy** :class:`TypicalAcceptance` rule when sampling,
             instead of recursive rejection; ``None`` (the default) keeps verification exact.
@@ -87,7 +87,7 @@ class DraftContext:
             a chain, the depth of a tree (it shrinks near ``max_new_tokens`` so the bonus token
             still fits; the loop cuts longer chains and prunes deeper trees).
         sampling: the sampling options; drafters that return probabilities must process their
-            logits with them (``specwise.sampling.process_logits``).
+            logits with them (``specwise.engine.sampling.process_logits``).
         generator: the RNG drafters must use for any random choice.
         cache_length: tokens the target's KV cache holds (always ``T``).
         hidden_states: at prefill only, the target's hidden states ``[T, H]`` for each layer in

@@ -16,10 +16,10 @@ from typing import Sequence
 
 import numpy as np
 
-from specwise.analysis.calibrate import Calibration
-from specwise.analysis.model import optimal_num_draft_tokens, speedup
-from specwise.analysis.overlay import MeasuredPoint, method_cost
-from specwise.bench.plots import new_figure, save_figure
+from specwise.engine.cost_model import optimal_num_draft_tokens, speedup
+from specwise.engine.timing import Calibration
+from specwise.lab.analysis.overlay import MeasuredPoint, method_cost
+from specwise.lab.bench.plots import new_figure, save_figure
 
 DEFAULT_KS = (3, 5, 7)
 DEFAULT_ALPHAS = (0.5, 0.7, 0.8, 0.9)
@@ -58,7 +58,7 @@ def plot_speedup_vs_alpha(calibration: Calibration, path: str | Path, ks: Sequen
                           points: Sequence[MeasuredPoint] = ()) -> Path:
     """Predicted speedup against α, one panel per calibrated method, one curve per k.
 
-    ``points`` (from :func:`specwise.analysis.overlay.measured_points`) are drawn on the panel of
+    ``points`` (from :func:`specwise.lab.analysis.overlay.measured_points`) are drawn on the panel of
     their method, in the colour of their k (a curve is added for every measured k): filled for
     ``overall``, small and hollow per category. Points of uncalibrated methods are not drawn.
     """

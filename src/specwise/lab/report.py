@@ -6,7 +6,7 @@ from typing import Sequence
 
 from rich.table import Table
 
-from specwise.types import SpecStats
+from specwise.engine.types import SpecStats
 
 
 def stats_table(runs: Sequence[SpecStats], baseline: SpecStats | None = None, title: str | None = None) -> Table:

@@ -7,8 +7,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from transformers import GenerationConfig
 
-from specwise.errors import ConfigError
+from specwise.api import build_drafter, generate
+from specwise.drafters.checkpoint import is_checkpoint, shipped_drafter
+from specwise.drafters.draft_model import load_draft_lm
+from specwise.drafters.spec import split_spec
+from specwise.engine.loading import load_model_and_tokenizer
+from specwise.errors import ConfigError, DrafterError
+from specwise.models.export import to_hf_model
 
 
 @dataclass
@@ -31,7 +38,6 @@ class Contender:
 
 def specwise_contender(target, method: str, label: str | None = None, **options: Any) -> Contender:
     """A specwise method with fixed options; its drafter is built once and reused."""
-    from specwise.api import build_drafter, generate
 
     drafter = build_drafter(target, method, **options)
 
@@ -51,7 +57,6 @@ def hf_contender(target, kind: str, label: str | None = None, **options: Any) ->
             ``max_matching_ngram_size``) or ``"assisted"`` (option ``assistant``: a draft model
             path, or ``assistant_model``: a loaded model).
     """
-    from transformers import GenerationConfig
 
     model = target.model
     eos = sorted(target.eos_token_ids)
@@ -100,10 +105,6 @@ def load_assistant(target, path: str):
     Raises:
         DrafterError: ``default`` but no draft LM ships for the target; or a bad checkpoint.
     """
-    from specwise.checkpoint import is_checkpoint
-    from specwise.drafters.draft_model import load_draft_lm, shipped_drafter
-    from specwise.errors import DrafterError
-    from specwise.models.export import to_hf_model
 
     if path == "default":
         shipped = shipped_drafter(target, "draft")
@@ -112,30 +113,8 @@ def load_assistant(target, path: str):
         path = str(shipped)
     if is_checkpoint(path):
         return to_hf_model(load_draft_lm(path, target), target)
-    from specwise.loading import load_model_and_tokenizer
 
     return load_model_and_tokenizer(path, dtype=target.dtype, device=target.device, role="draft model")[0]
-
-
-def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``'pld[num_draft_tokens=5,match=latest]'`` -> ``('pld', {'num_draft_tokens': 5, 'match': 'latest'})``.
-
-    Values are read as int, else float, else kept as text (as :func:`parse_contender` does).
-
-    Raises:
-        ConfigError: unbalanced brackets or an option without ``=``.
-    """
-    name, _, rest = spec.strip().partition("[")
-    options: dict[str, Any] = {}
-    if rest:
-        if not rest.endswith("]"):
-            raise ConfigError(f"malformed method spec {spec!r}; expected name[key=value,...].")
-        for item in filter(None, rest[:-1].split(",")):
-            key, eq, value = item.partition("=")
-            if not eq:
-                raise ConfigError(f"malformed option {item!r} in {spec!r}; expected key=value.")
-            options[key.strip()] = parse_option_value(value.strip())
-    return name.strip(), options
 
 
 def hf_peer_specs(specs: list[str]) -> list[str]:
@@ -160,16 +139,3 @@ def parse_contender(target, spec: str) -> Contender:
     if name.startswith("hf-"):
         return hf_contender(target, name[3:], label=spec, **options)
     return specwise_contender(target, name, label=spec, **options)
-
-
-def parse_option_value(text: str) -> Any:
-    """A method option's value from text: ``true`` / ``false`` (any case) as bool, else int, else
-    float, else the text itself."""
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text

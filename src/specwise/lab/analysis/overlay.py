@@ -18,11 +18,13 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from specwise.analysis.calibrate import Calibration, MethodCost
-from specwise.analysis.model import expected_tokens_per_step, speedup
-from specwise.bench.runner import BASELINE
+from specwise.drafters import METHODS
+from specwise.drafters.spec import split_spec
+from specwise.engine.clock import read_json
+from specwise.engine.cost_model import expected_tokens_per_step, speedup
+from specwise.engine.timing import Calibration, MethodCost
 from specwise.errors import ConfigError
-from specwise.machine import read_json
+from specwise.lab.bench.runner import BASELINE
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ def load_results(path: str | Path) -> dict:
         ConfigError: missing file, not JSON, or not a specwise bench result.
     """
     data = read_json(path, f"no bench results at {path}; run `specwise bench --out DIR` and pass DIR/results.json.")
-    if not str(data.get("schema", "")).startswith("specwise.bench/"):
+    if not str(data.get("schema", "")).startswith("specwise.lab.bench/"):
         raise ConfigError(f"{path} is not a specwise bench result (schema {data.get('schema')!r}).")
     return data
 
@@ -73,8 +75,6 @@ def load_results(path: str | Path) -> dict:
 def contender_draft_tokens(label: str) -> tuple[str, int] | None:
     """``(method, k)`` for a chain-drafting contender label, or ``None`` for ``ar``, ``hf-*`` peers
     and methods without a ``num_draft_tokens`` option (trees such as ``lookahead``)."""
-    from specwise.bench.sweep import split_spec
-    from specwise.drafters import METHODS
 
     name, options = split_spec(label)
     if name == BASELINE or name.startswith("hf-") or name not in METHODS.names():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Callable
 
@@ -127,7 +128,7 @@ def load_checkpoint(path: str | Path, target, method: str | None = None) -> Draf
 
     Args:
         path: the drafter directory.
-        target: the :class:`specwise.target.Target` it will run on.
+        target: the :class:`specwise.engine.target.Target` it will run on.
         method: when given, the method the caller expects.
 
     Returns:
@@ -167,7 +168,7 @@ def load_vocabulary_module(path: str | Path, target, method: str, what: str, con
 
     Args:
         path: the drafter directory.
-        target: the :class:`specwise.target.Target` it will run on.
+        target: the :class:`specwise.engine.target.Target` it will run on.
         method: the method the checkpoint must hold.
         what: how errors name the module, e.g. ``"the EAGLE head"``.
         config_cls: the architecture dataclass, built from the checkpoint's ``architecture``.
@@ -203,23 +204,8 @@ def load_vocabulary_module(path: str | Path, target, method: str, what: str, con
     return module.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False), found
 
 
-def load_drafter(path: str | Path, target, **options):
-    """Build the drafter stored in ``path`` for ``target``.
-
-    Args:
-        path: a drafter directory (``config.json`` + ``model.safetensors``).
-        target: the :class:`specwise.target.Target`.
-        **options: the method's options (e.g. ``num_draft_tokens``).
-
-    Returns:
-        a :class:`specwise.drafters.base.Drafter`.
-
-    Raises:
-        DrafterError: not a drafter, missing weights, or trained for another target.
-        ConfigError: an option the method does not take.
-    """
-    from specwise.drafters import METHODS
-
-    config = read_config(path)
-    spec = METHODS.get(config["method"])
-    return spec.factory(target, spec.make_config(drafter=str(path), **options))
+def shipped_drafter(target, method: str) -> Path | None:
+    """The drafter of ``method`` that ships with specwise for ``target`` (a Target, or its name), if any."""
+    name = target if isinstance(target, str) else target.name
+    path = Path(str(files("specwise").joinpath(f"data/drafters/{name}/{method}")))
+    return path if (path / "config.json").is_file() else None

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from specwise.errors import ConfigError
+
 
 def machine_info(device: torch.device) -> dict:
     """Where the measurement ran: platform, processor, threads, torch version, GPU name, and the
@@ -44,7 +46,6 @@ def read_json(path, missing: str) -> dict:
     Raises:
         ConfigError: the file is missing or not JSON.
     """
-    from specwise.errors import ConfigError
 
     path = Path(path)
     if not path.is_file():

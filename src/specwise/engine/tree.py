@@ -156,7 +156,7 @@ def best_nodes_tree(score: torch.Tensor, parent: torch.Tensor, keep: int,
     Returns:
         ``(chosen, parents)``: ``chosen`` ``[n]`` long (n <= keep), the kept creation indices in
         creation order; ``parents`` ``[n]`` long, each kept node's parent as a tree node index (0 = the
-        root, kept node i is node i + 1), the ``parents`` of a tree :class:`specwise.types.Proposal`.
+        root, kept node i is node i + 1), the ``parents`` of a tree :class:`specwise.engine.types.Proposal`.
     """
     keep = min(keep, int((score >= min_score).sum()))
     order = torch.sort(score, descending=True, stable=True).indices[:keep]

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from specwise.bench.contenders import Contender
+from specwise.lab.bench.contenders import Contender
 from specwise.prompts import PromptRecord
 
 #: a divergence from ``ar`` counts as a near-tie when the target's logits of the two tokens differ by
@@ -70,7 +70,7 @@ class BenchResult:
     summaries: dict[str, list[Summary]]
 
     def to_dict(self) -> dict:
-        return {"schema": "specwise.bench/1", "config": self.config,
+        return {"schema": "specwise.lab.bench/1", "config": self.config,
                 "records": [asdict(r) for r in self.records],
                 "summaries": {k: [asdict(s) for s in v] for k, v in self.summaries.items()}}
 
@@ -89,7 +89,7 @@ def run_benchmark(
     """Benchmark contenders on prompts, interleaved.
 
     Args:
-        target: the :class:`specwise.target.Target` every contender runs on.
+        target: the :class:`specwise.engine.target.Target` every contender runs on.
         prompts: prompt records; each is tokenized once.
         contenders: include one named ``"ar"`` to get speedups and output agreement.
         max_new_tokens: new tokens per generation.

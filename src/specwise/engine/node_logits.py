@@ -38,7 +38,7 @@ class TreeLogits:
         final_hidden: ``[n, H]`` the target's final hidden state at every node, or ``None`` when
             ``known_nodes`` covers the whole tree.
         lm_head: ``[R, H] -> [R, V]``, the target's LM head
-            (:meth:`specwise.target.Target.logits_from_final_hidden`).
+            (:meth:`specwise.engine.target.Target.logits_from_final_hidden`).
     """
 
     def __init__(self, known_nodes: list[int], known_logits: torch.Tensor, final_hidden: torch.Tensor | None,
@@ -88,7 +88,7 @@ class NodeValues(Generic[T]):
     """A per-node value (an argmax, a probability row) computed on first access, a path at a time.
 
     Indexable by node like a list or an ``[n, ...]`` tensor, so the pure walks in
-    :mod:`specwise.verify` take it unchanged.
+    :mod:`specwise.engine.verify` take it unchanged.
 
     Args:
         compute: ``list of nodes -> sequence of values`` (one per node).
