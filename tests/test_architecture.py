@@ -16,6 +16,9 @@ Layers, lowest first (a module may import its own layer and the ones below it):
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -113,3 +116,61 @@ LAZY_ALLOWED = {
 def test_internal_imports_are_at_module_top(name):
     inner = sorted({t for t, top in GRAPH[name] if not top})
     assert not inner, f"{name} imports {inner} inside a function"
+
+
+def _code_lines(node: ast.AST, source_lines: list[str]) -> int:
+    """Lines of a function that hold code: not blank, not comments, not its docstring."""
+    body = node.body
+    skip: set[int] = set()
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        skip.update(range(body[0].lineno, body[0].end_lineno + 1))
+    count = 0
+    for number in range(node.lineno, node.end_lineno + 1):
+        text = source_lines[number - 1].strip()
+        if number not in skip and text and not text.startswith("#"):
+            count += 1
+    return count
+
+
+#: the areas whose functions must stay short enough to read top to bottom
+SHORT_FUNCTION_AREAS = ("specwise.engine", "specwise.training")
+MAX_FUNCTION_LINES = 60
+
+
+def test_engine_and_training_functions_are_at_most_60_code_lines():
+    long = []
+    for name, path in MODULES.items():
+        if not name.startswith(SHORT_FUNCTION_AREAS):
+            continue
+        source = path.read_text()
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = _code_lines(node, lines)
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {n} lines")
+    assert not long, "functions over 60 code lines:\n" + "\n".join(long)
+
+
+#: a measured figure: a ratio, a rate, a time, a percentage, a τ, or a before → after pair
+FIGURE = re.compile(r"(\d+(?:\.\d+)?\s*(?:×|x\b|tok/s|tokens/s|ms\b|GFLOP|GB/s|%|s\b|min\b|minutes)"
+                    r"|τ\s*[=≈]?\s*\d|\b\d+\.\d+\s*(?:→|->)\s*\d)")
+
+
+def _comments_and_docstrings(source: str):
+    """``(line number, text)`` of every comment and docstring line of ``source``."""
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT or (token.type == tokenize.STRING and token.string.lstrip("rbu").startswith(('"""', "'''"))):
+            for offset, line in enumerate(token.string.splitlines()):
+                yield token.start[0] + offset, line
+
+
+def test_no_code_comment_quotes_a_benchmark_figure_or_the_readme():
+    """Figures rot with the next run: comments point to a report in docs/ instead (ARCHITECTURE.md §5)."""
+    found = []
+    for name, path in MODULES.items():
+        for number, line in _comments_and_docstrings(path.read_text()):
+            if FIGURE.search(line) or "README" in line:
+                found.append(f"{path.relative_to(SRC)}:{number}: {line.strip()}")
+    assert not found, "comments quoting figures or the README:\n" + "\n".join(found)

@@ -8,7 +8,9 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
+from specwise.api import build_drafter, generate
 from specwise.drafters.checkpoint import shipped_drafter
+from specwise.engine.target import load_target
 from specwise.lab.bench.runner import TIE_MARGIN, first_divergence
 from specwise.prompts import builtin_prompt_file, load_prompts
 
@@ -18,23 +20,21 @@ DEMO_CATEGORIES = ("code", "summarization", "rag")
 def run_demo(target_name: str, max_new_tokens: int, device, progress) -> int:
     """Generate with ``ar``, ``pld``, ``lookahead`` and the trained drafters that ship for the target
     (``draft``, ``eagle``, ``medusa``, ``dflash``), interleaved after a warm-up; print text and stats."""
-    import specwise
-
     console = Console()
-    target = specwise.load_target(target_name, dtype="bfloat16", device=device, progress=progress)
+    target = load_target(target_name, dtype="bfloat16", device=device, progress=progress)
     records = [r for r in load_prompts([builtin_prompt_file()]) if r.category in DEMO_CATEGORIES]
 
     trained = tuple(m for m in ("draft", "eagle", "medusa", "dflash") if shipped_drafter(target, m))
     methods = ("ar", "pld", "lookahead") + trained
-    drafters = {m: specwise.build_drafter(target, m) for m in methods}
+    drafters = {m: build_drafter(target, m) for m in methods}
     for drafter in drafters.values():  # warm-up
-        specwise.generate(target, records[0].prompt, drafter=drafter, max_new_tokens=16)
+        generate(target, records[0].prompt, drafter=drafter, max_new_tokens=16)
     speeds: dict[str, list[float]] = {m: [] for m in drafters}
     table = Table(title=f"{target.name}, bf16, greedy, {max_new_tokens} new tokens")
     for col in ("prompt", "method", "τ", "accept rate", "tok/s", "same as ar"):
         table.add_column(col, no_wrap=col in ("prompt", "same as ar"), min_width=9 if col == "method" else None)
     for record in records:
-        results = {m: specwise.generate(target, record.prompt, drafter=d, max_new_tokens=max_new_tokens)
+        results = {m: generate(target, record.prompt, drafter=d, max_new_tokens=max_new_tokens)
                    for m, d in drafters.items()}
         console.rule(f"[bold]{record.id}: prompt, then the pld continuation")
         console.print(record.prompt, style="dim", markup=False, highlight=False)

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from specwise.drafters.base import METHODS
 from specwise.drafters.spec import split_spec, split_specs
 from specwise.drafters.timing import calibrate
 from specwise.engine.cost_model import (
@@ -26,6 +27,7 @@ from specwise.engine.cost_model import (
     least_required_acceptance,
     optimal_num_draft_tokens,
 )
+from specwise.engine.target import load_target
 from specwise.engine.timing import Calibration
 from specwise.errors import ConfigError
 from specwise.lab.analysis.overlay import (
@@ -125,13 +127,11 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace):
-    import specwise
-
     methods = split_specs(args.methods)
     for spec in methods:  # validate options before loading the model
         name, options = split_spec(spec)
-        specwise.METHODS.get(name).make_config(**options)
-    target = specwise.load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
+        METHODS.get(name).make_config(**options)
+    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
     return calibrate(target, methods, sizes=args.sizes, context_length=args.context_length,
                      repeats=args.repeats, progress=_progress)
 
