@@ -1,6 +1,8 @@
 """The theoretical speedup model of speculative decoding, its calibration on this machine, and plots
 that check it against benchmark measurements (ARCHITECTURE.md §5, ALGORITHMS.md §1.5).
 
-Submodules are imported explicitly (``specwise.engine.cost_model`` is pure numpy; ``calibrate`` needs
-a target; ``plots`` needs matplotlib), so importing this package is light.
+The model itself (:mod:`specwise.engine.cost_model`) and the forward timing
+(:mod:`specwise.engine.timing`, :mod:`specwise.drafters.timing`) live with the engine, which needs
+them at run time; this package holds the overlay of measurements on the model, its plots and the
+``specwise analyze`` command. Submodules are imported explicitly (``plots`` needs matplotlib).
 """
