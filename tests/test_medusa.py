@@ -135,7 +135,9 @@ def test_min_path_prob_drops_the_nodes_whose_path_probability_is_below_it():
     path = []
     for node, (p, parent) in enumerate(zip(tree.paths, full_parents)):
         path.append(float(probs[len(p) - 1, p[-1]]) * (path[parent - 1] if parent else 1.0))
-    cut = sorted(path)[2] * (1 + 1e-9)  # drops the 3 least likely nodes
+    # halfway (in log space) between the third and fourth least likely nodes: drops the 3 least likely,
+    # with a margin far above the drafter's float32 rounding of its log path probabilities
+    cut = (sorted(path)[2] * sorted(path)[3]) ** 0.5
     drafter = MedusaDrafter(target, MedusaDrafterConfig(lookup_tokens=0, min_path_prob=cut), heads=heads, tree=tree)
     drafter.prefill(DraftContext(ids, 0, SamplingConfig(), None, 7, hidden))
     whole = MedusaDrafter(target, MedusaDrafterConfig(lookup_tokens=0, min_path_prob=0.0), heads=heads, tree=tree)
