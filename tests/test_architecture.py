@@ -106,13 +106,7 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-#: modules allowed to import inside functions, each for the reason given in a comment at the import
-LAZY_ALLOWED = {
-    "specwise.cli",  # lab and training commands need the [bench]/[train] extras; `generate` must run without
-}
-
-
-@pytest.mark.parametrize("name", sorted(n for n in MODULES if n not in LAZY_ALLOWED))
+@pytest.mark.parametrize("name", sorted(MODULES))
 def test_internal_imports_are_at_module_top(name):
     inner = sorted({t for t, top in GRAPH[name] if not top})
     assert not inner, f"{name} imports {inner} inside a function"

@@ -6,7 +6,6 @@ Bad input is reported as one sentence on stderr with exit code 2, never a traceb
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -14,24 +13,31 @@ from typing import Sequence
 
 import transformers
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
+from specwise.api import generate
+from specwise.drafters.base import METHODS
 from specwise.drafters.checkpoint import shipped_drafter
 from specwise.drafters.spec import parse_option_value, split_specs
 from specwise.engine.clock import machine_info
-from specwise.errors import ConfigError, SpecwiseError
+from specwise.engine.sampling import SamplingConfig
+from specwise.engine.target import load_target, resolve_device
+from specwise.errors import ConfigError, DrafterError, PromptError, SpecwiseError
+from specwise.lab.analysis.cli import add_analyze_args, cmd_analyze
+from specwise.lab.bench import parse_contender, run_benchmark
+from specwise.lab.bench.contenders import hf_peer_specs
+from specwise.lab.bench.plots import write_bench_plots
+from specwise.lab.bench.progress import bench_progress
+from specwise.lab.bench.report import markdown_report, rich_table
+from specwise.lab.bench.sweep import Sweep
+from specwise.lab.demo import run_demo
+from specwise.lab.report import stats_table
 from specwise.prompts import (
     default_prompt_records,
     is_held_out,
     load_prompts,
     take_per_category,
 )
+from specwise.training.cli import add_data_args, add_export_args, add_train_args
 
 DEFAULT_TARGET = "gemma-3-270m"
 
@@ -81,36 +87,28 @@ def _progress(message: str) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import specwise
-    from specwise.lab.report import stats_table
-
     if not args.prompt.strip():
-        raise specwise.errors.PromptError("the prompt is empty.")
+        raise PromptError("the prompt is empty.")
     # validate cheap options before the (slower) model load
-    specwise.SamplingConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
+    SamplingConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     if args.max_new_tokens < 1:
-        raise specwise.errors.ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
     if any(not s for s in args.stop):
-        raise specwise.errors.ConfigError("stop strings must be non-empty strings.")
-    spec = specwise.METHODS.get(args.method)
+        raise ConfigError("stop strings must be non-empty strings.")
+    spec = METHODS.get(args.method)
     options = method_options(args)
     config = spec.make_config(**options)
     if hasattr(config, "drafter"):  # a trained drafter: fail before the (slower) target load
-
-
         if config.drafter is None and shipped_drafter(args.target, args.method) is None:
             what = "a draft model" if args.method == "draft" else "a trained drafter"
-            raise specwise.errors.DrafterError(
-                f"method {args.method!r} needs {what} for {args.target}: pass --drafter PATH "
-                "(one ships only for gemma-3-270m).")
+            raise DrafterError(f"method {args.method!r} needs {what} for {args.target}: pass --drafter PATH "
+                               "(one ships only for gemma-3-270m).")
         if config.drafter is not None and not Path(config.drafter).exists():
-            raise specwise.errors.DrafterError(f"the drafter {config.drafter} does not exist.")
-    specwise.engine.target.resolve_device(args.device)
-    target = specwise.load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
-    streamer = None
-    if not args.json:
-        streamer = _TextStreamer(target)
-    result = specwise.generate(
+            raise DrafterError(f"the drafter {config.drafter} does not exist.")
+    resolve_device(args.device)
+    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
+    streamer = None if args.json else _TextStreamer(target)
+    result = generate(
         target, args.prompt, method=args.method, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
@@ -120,7 +118,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
     else:
         print()
-
         Console(stderr=False).print(stats_table([result.stats]))
     return 0
 
@@ -144,58 +141,30 @@ class _TextStreamer:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from specwise.lab.demo import run_demo
-
     return run_demo(target_name=args.target, max_new_tokens=args.max_new_tokens, device=args.device,
                     progress=_progress)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-
-
-    import specwise
-    from specwise.lab.bench import parse_contender, run_benchmark
-    from specwise.lab.bench.contenders import hf_peer_specs
-    from specwise.lab.bench.report import markdown_report, rich_table
-
-    records = load_prompts(args.prompts) if args.prompts else default_prompt_records()
-    if args.held_out:
-
-        records = [r for r in records if is_held_out(r)]
-    if args.per_category:
-        records = take_per_category(records, args.per_category)
-    if not records:
-        raise specwise.errors.ConfigError("no prompts to benchmark.")
+    records = _bench_prompts(args)
     specs = split_specs(args.methods)
     if args.hf_peers:
         specs += hf_peer_specs(specs)
     sweep = None
     if args.sweep:  # one contender per value, all measured side by side in the same run
-        from specwise.lab.bench.sweep import Sweep
-
         specs, sweep = Sweep.parse(args.sweep).expand(specs)
-    target = specwise.load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
+    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
     contenders = [parse_contender(target, spec) for spec in specs]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = Console()
-    with contextlib.ExitStack() as stack:
-        if console.is_terminal:
-            bar = stack.enter_context(Progress(
-                TextColumn("bench"), BarColumn(), TextColumn("{task.completed}/{task.total} runs"),
-                TimeElapsedColumn(), TimeRemainingColumn(), console=console))
-            task = bar.add_task("bench", total=len(records) * len(contenders))
-            on_progress = lambda done, total: bar.update(task, completed=done)  # noqa: E731
-        else:  # a log file: one line per run instead of a live bar
-            on_progress = lambda done, total: print(f"bench: {done}/{total} runs", file=sys.stderr, flush=True)  # noqa: E731
-        extra = {"command": " ".join(["specwise", *sys.argv[1:]]), "machine": machine_info(target.device)}
-        if sweep:
-            extra["sweep"] = sweep.to_config()
+    extra = {"command": " ".join(["specwise", *sys.argv[1:]]), "machine": machine_info(target.device)}
+    if sweep:
+        extra["sweep"] = sweep.to_config()
+    with bench_progress(console, len(records) * len(contenders)) as on_progress:
         result = run_benchmark(target, records, contenders, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, seed=args.seed, on_progress=on_progress,
                                extra_config=extra)
-    from specwise.lab.bench.plots import write_bench_plots
-
     results = result.to_dict()
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plots = write_bench_plots(results, out)
@@ -204,6 +173,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         console.print(rich_table(result, group))
     console.print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {', '.join(p.name for p in plots)}")
     return 0
+
+
+def _bench_prompts(args: argparse.Namespace) -> list:
+    """The prompt records a ``bench`` run measures.
+
+    Raises:
+        ConfigError: the selection leaves no prompt.
+    """
+    records = load_prompts(args.prompts) if args.prompts else default_prompt_records()
+    if args.held_out:
+        records = [r for r in records if is_held_out(r)]
+    if args.per_category:
+        records = take_per_category(records, args.per_category)
+    if not records:
+        raise ConfigError("no prompts to benchmark.")
+    return records
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,12 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run every drafting method once per value of one option, e.g. num_draft_tokens=1,3,5,7")
     bench.set_defaults(func=cmd_bench)
     analyze = sub.add_parser("analyze", help="speedup model: calibrate costs on this machine, plot, check against a bench run")
-    from specwise.lab.analysis.cli import add_analyze_args, cmd_analyze
-
     add_analyze_args(analyze, default_target=DEFAULT_TARGET)
     analyze.set_defaults(func=cmd_analyze)
-    from specwise.training.cli import add_data_args, add_export_args, add_train_args
-
     add_data_args(sub.add_parser("data", help="build training corpora for drafters"), DEFAULT_TARGET)
     add_train_args(sub.add_parser("train", help="train a drafter for a target (self-distillation)"), DEFAULT_TARGET)
     add_export_args(sub.add_parser("export-hf", help="write a draft LM as a plain Hugging Face causal LM"),
