@@ -7,17 +7,24 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: demo test test-fast bench clean
 
+# `pip install specwise` is the engine; the lab tools' dependencies are extras (pyproject.toml).
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 
+# the demo runs the benchmark's comparison code on the real target: engine + [bench]
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e ".[bench]"
+	touch $@
+
+# the tests cover every layer: [dev] = [bench] + [train] + pytest, hypothesis, scipy, ruff
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.installed-bench
 	$(BIN)/specwise demo
 
 test: $(VENV)/.installed-dev
