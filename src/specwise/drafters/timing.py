@@ -43,13 +43,14 @@ def measure_draft_cost(target, spec: str, context_ids: torch.Tensor, repeats: in
         ``(K, median draft tokens per call, median seconds per call)``.
 
     Raises:
-        ConfigError: the method drafts no chain (no ``num_draft_tokens`` option), or it proposed
-            nothing on this context. DrafterError: unknown method, missing weights.
+        ConfigError: the method drafts no chain of a set length (no ``num_draft_tokens`` option, or
+            ``dflash`` without ``depth``), or it proposed nothing on this context. DrafterError:
+            unknown method, missing weights.
     """
     name, options = split_spec(spec)
     method = METHODS.get(name)
     config = method.make_config(**options)
-    k = getattr(config, "num_draft_tokens", None)
+    k = config.chain_draft_tokens
     if k is None:
         raise ConfigError(f"the speedup model covers chain drafters with a num_draft_tokens option; "
                           f"method {name!r} has none.")
