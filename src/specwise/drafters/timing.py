@@ -91,7 +91,7 @@ def calibrate(
     Args:
         target: the :class:`specwise.engine.target.Target` to measure.
         methods: chain drafting method specs (``pld``, ``pld[num_draft_tokens=5]``,
-            ``draft[drafter=PATH]``); ``ar`` is skipped (it drafts nothing, c = 0).
+            ``draft[drafter_path=PATH]``); ``ar`` is skipped (it drafts nothing, c = 0).
         sizes: token counts n for ``t(n)``; 1 is always included.
         context_length: cached context tokens before each timed forward (and the drafters' context).
         repeats: timed runs per size and per method (medians are reported).
