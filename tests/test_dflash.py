@@ -6,6 +6,7 @@ float64 models. Sampling losslessness is in ``test_sampling_e2e.py``.
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -13,14 +14,15 @@ import torch
 import specwise
 from conftest import ARCHS, make_target, random_prompt, reference_greedy
 from specwise.api import load_drafter
+from specwise.drafters import base
 from specwise.drafters.checkpoint import DrafterCheckpoint, save_checkpoint, target_fingerprint
 from specwise.drafters.dflash import DFlashDrafter, DFlashDrafterConfig, load_dflash
 from specwise.engine.loop import speculative_generate
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.types import DraftContext
 from specwise.errors import ConfigError, DrafterError
+from specwise.models.common import rotary
 from specwise.models.dflash import DFlashConfig, DFlashModel
-from specwise.models.eagle import rotary
 
 LAYERS = (0, 1, 2)
 VOCAB_D = 96
@@ -82,8 +84,8 @@ def test_config_is_validated():
     target = make_target("llama")
     with pytest.raises(ConfigError, match="outside the target's hidden states"):
         DFlashModel(target, DFlashConfig(feature_layers=(9,), draft_vocab_size=4), torch.arange(4))
-    with pytest.raises(ConfigError, match="num_draft_tokens=9"):
-        DFlashDrafter(target, DFlashDrafterConfig(num_draft_tokens=9), model=make_dflash(target, 4))
+    with pytest.raises(ConfigError, match="depth=9"):
+        DFlashDrafter(target, DFlashDrafterConfig(depth=9), model=make_dflash(target, 4))
 
 
 @pytest.mark.parametrize("window", [64, 5])
@@ -262,10 +264,34 @@ def test_public_api_runs_dflash_with_a_given_drafter(tmp_path):
     target = make_target("gemma3", eos=())
     path = _save(target, make_dflash(target), tmp_path / "dflash")
     prompt = random_prompt(10, seed=4)
-    result = specwise.generate(target, prompt, method="dflash", drafter=str(path), max_new_tokens=12,
-                               num_draft_tokens=2)
+    result = specwise.generate(target, prompt, method="dflash", drafter_path=str(path), max_new_tokens=12, depth=2)
     assert result.token_ids == reference_greedy(target.model, prompt, 12)
     assert len(result.stats.drafted_by_position) <= 2
+
+
+def test_the_old_spellings_of_depth_and_drafter_path_still_work_and_warn_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(base, "_WARNED", set())
+    target = make_target("gemma3", eos=())
+    path = _save(target, make_dflash(target), tmp_path / "dflash")
+    prompt = random_prompt(10, seed=4)
+    new = specwise.generate(target, prompt, method="dflash", drafter_path=str(path), max_new_tokens=12, depth=2)
+    with pytest.warns(DeprecationWarning) as caught:
+        old = specwise.generate(target, prompt, method="dflash", drafter=str(path), max_new_tokens=12,
+                                num_draft_tokens=2)
+    assert old.token_ids == new.token_ids and old.stats.drafted_by_position == new.stats.drafted_by_position
+    said = " ".join(str(w.message) for w in caught)
+    assert "'num_draft_tokens' is deprecated, use 'depth'" in said and "drafter_path" in said
+    spec = specwise.METHODS.get("dflash")
+    assert spec.make_config(num_draft_tokens=3) == spec.make_config(depth=3)
+    with pytest.warns(DeprecationWarning, match="'drafter' is deprecated, use 'drafter_path'"):
+        assert DFlashDrafterConfig(drafter=str(path)).drafter_path == str(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: no second warning
+        assert spec.make_config(num_draft_tokens=3).num_draft_tokens == 3
+    with pytest.raises(ConfigError, match="not both"):
+        spec.make_config(num_draft_tokens=3, depth=3)
+    with pytest.raises(ConfigError, match="depth=9"):
+        DFlashDrafter(target, DFlashDrafterConfig(num_draft_tokens=9), model=make_dflash(target, 4))
 
 
 # ---------------------------------------------------------------------------------------- checkpoints
@@ -289,12 +315,12 @@ def test_checkpoint_round_trip(tmp_path):
         torch.testing.assert_close(value, rounded[name], rtol=0, atol=0)
     drafter = load_drafter(path, target)
     assert isinstance(drafter, DFlashDrafter) and drafter.target_hidden_layers == LAYERS
-    assert drafter.num_draft_tokens == 3  # all B-1 drafts unless a tuned default is recorded
+    assert drafter.depth == 3  # all B-1 drafts unless a tuned default is recorded
     config = json.loads((path / "config.json").read_text())
     config["architecture"]["default_draft_tokens"] = 2
     (path / "config.json").write_text(json.dumps(config))
-    assert load_drafter(path, target).num_draft_tokens == 2
-    assert load_drafter(path, target, num_draft_tokens=3).num_draft_tokens == 3
+    assert load_drafter(path, target).depth == 2
+    assert load_drafter(path, target, depth=3).depth == 3
 
 
 def test_a_drafter_for_another_target_is_refused(tmp_path):

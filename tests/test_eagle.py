@@ -313,7 +313,7 @@ def test_public_api_runs_eagle_with_a_given_drafter(tmp_path):
     target = make_target("gemma3", eos=())
     path = _save(target, make_head(target), tmp_path / "eagle")
     prompt = random_prompt(10, seed=4)
-    text_ids = specwise.generate(target, prompt, method="eagle", drafter=str(path), max_new_tokens=12,
+    text_ids = specwise.generate(target, prompt, method="eagle", drafter_path=str(path), max_new_tokens=12,
                                  depth=3, tree_top_k=8, total_tokens=12).token_ids
     assert text_ids == reference_greedy(target.model, prompt, 12)
 

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import pkgutil
 import re
+import sys
 
 import pytest
 import torch
 
 import specwise
 from conftest import make_model, make_target, random_prompt
+from specwise.drafters import base
 from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter
 from specwise.errors import ConfigError, DrafterError, PromptError, SpecwiseError, TargetLoadError
+from specwise.models.common import check_flag, check_int, check_probability
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +70,7 @@ def test_unknown_method_lists_the_available_ones(target):
 
 
 @pytest.mark.parametrize("method", ["pld", "draft"])
-@pytest.mark.parametrize("num_draft_tokens", [0, -2])
+@pytest.mark.parametrize("num_draft_tokens", [0, -2, True])
 def test_bad_num_draft_tokens(target, method, num_draft_tokens):
     with _raises(ConfigError, "num_draft_tokens"):
         specwise.generate(target, PROMPT, method=method, num_draft_tokens=num_draft_tokens, max_new_tokens=4)
@@ -100,9 +104,48 @@ def test_draft_method_without_a_draft_model(target):
         specwise.generate(target, PROMPT, method="draft", max_new_tokens=4)
 
 
-def test_draft_model_path_that_does_not_exist(target):
+def test_draft_model_path_that_does_not_exist(target, monkeypatch):
     with pytest.raises(SpecwiseError, match="nonexistent"):
+        specwise.generate(target, PROMPT, method="draft", drafter_path="/nonexistent/draft", max_new_tokens=4)
+    monkeypatch.setattr(base, "_WARNED", set())
+    # the old spelling, a path given as `drafter`, still means drafter_path (deprecated, warned once)
+    with pytest.warns(DeprecationWarning, match="drafter_path"), pytest.raises(SpecwiseError, match="nonexistent"):
         specwise.generate(target, PROMPT, method="draft", drafter="/nonexistent/draft", max_new_tokens=4)
+    with pytest.warns(DeprecationWarning, match="'drafter' is deprecated, use 'drafter_path'"):
+        assert DraftModelConfig(drafter="/x").drafter_path == "/x"
+    with _raises(ConfigError, "not both"):
+        specwise.generate(target, PROMPT, method="draft", drafter="/x", drafter_path="/y", max_new_tokens=4)
+
+
+@pytest.mark.parametrize("check, args, good", [
+    (check_int, ("k", 1), True), (check_int, ("k", 0), False), (check_int, ("k", True), False),
+    (check_int, ("k", 2.0), False), (check_int, ("k", 0, 0), True), (check_int, ("k", None), False),
+    (check_probability, ("p", 0.0), True), (check_probability, ("p", 1.0), False),
+    (check_probability, ("p", False), False), (check_probability, ("p", "0.5"), False),
+    (check_flag, ("f", True), True), (check_flag, ("f", "false"), False),
+])
+def test_the_shared_option_checks(check, args, good):
+    if good:
+        check(*args)
+    else:
+        with _raises(ConfigError, args[0]):
+            check(*args)
+    check_int("k", None, optional=True)
+    check_probability("p", 1.0, zero=False, one=True)
+    with _raises(ConfigError, r"\(0, 1\]"):
+        check_probability("p", 0.0, zero=False, one=True)
+
+
+def test_every_drafters_module_is_imported_with_the_package():
+    names = [info.name for info in pkgutil.iter_modules(specwise.drafters.__path__)]
+    assert {"eagle", "trained", "prompt_lookup"} <= set(names)
+    assert all(f"specwise.drafters.{name}" in sys.modules for name in names)
+
+
+def test_the_listing_order_and_which_methods_need_weights():
+    listed = [spec.name for spec in specwise.METHODS.listed()]
+    assert listed == ["ar", "pld", "lookahead", "draft", "eagle", "medusa", "dflash"]  # the demo's order
+    assert [s.name for s in specwise.METHODS.listed() if s.needs_weights] == ["draft", "eagle", "medusa", "dflash"]
 
 
 @pytest.mark.parametrize("method, option", [("pld", "temperature_of_the_moon"), ("draft", "max_ngram_size"),

@@ -11,7 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import specwise
 from conftest import ARCHS, make_target, reference_greedy, repetitive_prompt
+from specwise.drafters import base
 from specwise.drafters.dflash import DFlashDrafter, DFlashDrafterConfig
 from specwise.drafters.eagle import EagleDrafter, EagleDrafterConfig
 from specwise.drafters.lookup_graft import LOOKUP_PRIOR, LookupGraft, LookupGraftConfig, lookup_length
@@ -148,6 +150,15 @@ def test_lookup_options_are_validated(bad):
     for config_cls in classes:
         with pytest.raises(ConfigError, match="lookup"):
             config_cls(**bad)
+
+
+def test_lookup_trust_is_off_by_default_and_its_old_spelling_of_off_still_works(monkeypatch):
+    monkeypatch.setattr(base, "_WARNED", set())
+    assert EagleDrafterConfig().lookup_trust is None
+    assert EagleDrafterConfig(lookup_trust=0.9).lookup_trust == 0.9
+    with pytest.warns(DeprecationWarning, match="lookup_trust=None"):
+        assert EagleDrafterConfig(lookup_trust=1).lookup_trust is None  # 1 meant off (no estimate reaches it)
+    assert specwise.METHODS.get("eagle").make_config(lookup_trust=1.0) == EagleDrafterConfig()
 
 
 def _drafters(target, lookup_tokens: int) -> dict:

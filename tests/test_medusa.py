@@ -200,9 +200,9 @@ def test_public_api_runs_medusa_with_a_given_drafter(tmp_path):
     target = make_target("gemma3", eos=())
     path = _save(target, make_heads(target), tmp_path / "medusa", wide_tree(3, 2))
     prompt = random_prompt(10, seed=4)
-    result = specwise.generate(target, prompt, method="medusa", drafter=str(path), max_new_tokens=12, tree_nodes=6)
+    result = specwise.generate(target, prompt, method="medusa", drafter_path=str(path), max_new_tokens=12, tree_nodes=6)
     assert result.token_ids == reference_greedy(target.model, prompt, 12)
-    typical = specwise.generate(target, prompt, method="medusa", drafter=str(path), max_new_tokens=12,
+    typical = specwise.generate(target, prompt, method="medusa", drafter_path=str(path), max_new_tokens=12,
                                 acceptance="typical-lossy")  # greedy stays exact under either rule
     assert typical.token_ids == result.token_ids
 

@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from specwise.drafters import METHODS, Drafter
+from specwise.drafters.base import warn_renamed
 from specwise.drafters.checkpoint import read_config
 from specwise.engine.loop import speculative_generate
 from specwise.engine.sampling import SamplingConfig
@@ -33,7 +34,7 @@ def load_drafter(path: str | Path, target, **options):
     Args:
         path: a drafter directory (``config.json`` + ``model.safetensors``).
         target: the :class:`specwise.engine.target.Target`.
-        **options: the method's options (e.g. ``num_draft_tokens``).
+        **options: the method's options (e.g. ``num_draft_tokens``; not ``drafter_path``, which is ``path``).
 
     Returns:
         a :class:`specwise.drafters.base.Drafter`.
@@ -44,7 +45,7 @@ def load_drafter(path: str | Path, target, **options):
     """
     config = read_config(path)
     spec = METHODS.get(config["method"])
-    return spec.factory(target, spec.make_config(drafter=str(path), **options))
+    return spec.factory(target, spec.make_config(drafter_path=str(path), **options))
 
 
 def generate(
@@ -52,7 +53,7 @@ def generate(
     prompt: str | Sequence[int] | torch.Tensor,
     *,
     method: str = "ar",
-    drafter: Drafter | str | os.PathLike | None = None,
+    drafter: Drafter | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -73,15 +74,16 @@ def generate(
         prompt: text (tokenized with the target's tokenizer, BOS added) or token ids.
         method: a registered method name (``ar``, ``pld``, ``draft``, ...); ignored when
             ``drafter`` is given.
-        drafter: an already built drafter, reused across calls (it is reset per call), or the
-            path of the method's drafter weights / draft model (same as ``--drafter PATH``).
+        drafter: an already built drafter, reused across calls (it is reset per call). The weights
+            of a trained method are the method option ``drafter_path`` (``--drafter PATH``); a path
+            given here is still read as that (deprecated).
         max_new_tokens: number of new tokens, >= 1 (fewer if an EOS or stop string comes first).
         temperature: 0 for greedy decoding.
         top_k: 0 = off. top_p: in (0, 1]. repetition_penalty: 1 = off.
         seed: seeds the sampling RNG (a ``torch.Generator`` on the target's device).
         stop: a stop string or several; generation ends once the new text contains one (it is kept).
         streamer: called with each step's new token ids as they are committed.
-        **method_options: the method's options, e.g. ``num_draft_tokens=8``.
+        **method_options: the method's options, e.g. ``num_draft_tokens=8``, ``drafter_path=PATH``.
 
     Returns:
         :class:`GenerationResult` with ``text``, ``token_ids`` and ``stats`` (:class:`SpecStats`).
@@ -96,7 +98,10 @@ def generate(
     if any(not isinstance(s, str) or not s for s in stop):
         raise ConfigError("stop strings must be non-empty strings.")
     if isinstance(drafter, (str, os.PathLike)):
-        method_options["drafter"] = os.fspath(drafter)
+        warn_renamed("generate", "drafter=PATH", "drafter_path=PATH")
+        if "drafter_path" in method_options:
+            raise ConfigError("give drafter_path or a path as drafter, not both.")
+        method_options["drafter_path"] = os.fspath(drafter)
         drafter = None
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")

@@ -13,7 +13,7 @@ class AutoregressiveConfig(MethodConfig):
     """``ar`` has no options."""
 
 
-@register_drafter("ar", AutoregressiveConfig, "plain decoding, one target forward per token (baseline)")
+@register_drafter("ar", AutoregressiveConfig, "plain decoding, one target forward per token (baseline)", order=0)
 class AutoregressiveDrafter(Drafter):
     """Proposes nothing, so every step is one ordinary decoding step."""
 

@@ -7,18 +7,16 @@ re-exported here for drafter modules.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
-from specwise.errors import ConfigError, DrafterError
-
-__all__ = ["Drafter", "DraftingConfig", "METHODS", "MethodConfig", "MethodRegistry", "MethodSpec", "register_drafter"]
 from specwise.engine.drafter import Drafter
+from specwise.errors import ConfigError, DrafterError
+from specwise.models.common import check_flag, check_int, check_probability
 
-
-@dataclass(frozen=True)
-class MethodConfig:
-    """Base of the per-method option dataclasses; validates in ``__post_init__``."""
+__all__ = ["Drafter", "DraftingConfig", "METHODS", "MethodConfig", "MethodRegistry", "MethodSpec", "check_flag",
+           "check_int", "check_probability", "check_probability_threshold", "register_drafter"]
 
 
 def check_probability_threshold(name: str, value: float) -> None:
@@ -27,18 +25,59 @@ def check_probability_threshold(name: str, value: float) -> None:
     Raises:
         ConfigError: ``value`` is not a number in ``[0, 1)``.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ConfigError(f"{name} must be a probability in [0, 1), got {value!r}.")
+    check_probability(name, value)
 
 
-def check_flag(name: str, value: object) -> None:
-    """Refuse a non-bool value for an on/off option (the text ``"false"`` would read as on).
+_WARNED: set[tuple[str, str]] = set()
 
-    Raises:
-        ConfigError: ``value`` is not a bool.
+
+def warn_renamed(owner: str, old: str, new: str, note: str = "", *, stacklevel: int = 3) -> None:
+    """Warn (a ``DeprecationWarning``), once per process for each ``(owner, old)``, that ``old`` is
+    a deprecated spelling of ``new``. ``stacklevel`` counts from this function, so the default
+    names the caller of the function that calls it."""
+    if (owner, old) in _WARNED:
+        return
+    _WARNED.add((owner, old))
+    warnings.warn(f"{owner}: {old!r} is deprecated, use {new!r}{note}.", DeprecationWarning, stacklevel=stacklevel)
+
+
+class _RenamedOptions(type):
+    """Metaclass of the method configs: translates deprecated option keywords before construction."""
+
+    def __call__(cls, *args, **options):
+        for old, new in cls.RENAMED_OPTIONS.items():
+            if old in options:
+                if new in options:
+                    raise ConfigError(f"give {new} or its old spelling {old}, not both.")
+                warn_renamed(cls.__name__, old, new)
+                options[new] = options.pop(old)
+        return super().__call__(*args, **options)
+
+
+@dataclass(frozen=True)
+class MethodConfig(metaclass=_RenamedOptions):
+    """Base of the per-method option dataclasses; validates in ``__post_init__``.
+
+    ``RENAMED_OPTIONS`` maps an option's old spelling to its name now: the old one still works as a
+    keyword of the constructor (so in method specs and ``generate``) and as an attribute, with a
+    deprecation warning once per process.
     """
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be true or false, got {value!r}.")
+
+    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached when ordinary lookup fails: an old spelling reads the renamed field
+        new = type(self).RENAMED_OPTIONS.get(name)
+        if new is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warn_renamed(type(self).__name__, name, new)
+        return getattr(self, new)
+
+    @property
+    def chain_draft_tokens(self) -> int | None:
+        """The most tokens a chain drafter proposes per step when that is fixed by its options
+        (K); ``None`` for a tree drafter or one without such an option."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -48,27 +87,43 @@ class DraftingConfig(MethodConfig):
     num_draft_tokens: int = 5  # draft tokens verified per step (K)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
-            raise ConfigError(f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}.")
+        check_int("num_draft_tokens", self.num_draft_tokens)
+
+    @property
+    def chain_draft_tokens(self) -> int | None:
+        return self.num_draft_tokens
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A registered method: its name, options dataclass and factory ``(target, config) -> Drafter``."""
+    """A registered method: its name, options dataclass, factory ``(target, config) -> Drafter``, a
+    one-line summary, and its place in listings such as the demo (``order``, lowest first)."""
 
     name: str
     config_cls: type[MethodConfig]
     factory: Callable[[Any, MethodConfig], Drafter]
     summary: str
+    order: int = 100
+
+    @property
+    def option_names(self) -> frozenset[str]:
+        """The options the method takes (not counting deprecated spellings)."""
+        return frozenset(f.name for f in dataclasses.fields(self.config_cls))
+
+    @property
+    def needs_weights(self) -> bool:
+        """Whether the method drafts with trained weights (it has a ``drafter_path`` option)."""
+        return "drafter_path" in self.option_names
 
     def make_config(self, **options: Any) -> MethodConfig:
-        """Build the method's config from keyword options.
+        """Build the method's config from keyword options (deprecated spellings included, with a
+        warning once).
 
         Raises:
             ConfigError: an option the method does not take, or a value out of range.
         """
-        names = {f.name for f in dataclasses.fields(self.config_cls)}
-        unknown = sorted(set(options) - names)
+        names = self.option_names
+        unknown = sorted(set(options) - names - set(self.config_cls.RENAMED_OPTIONS))
         if unknown:
             allowed = ", ".join(sorted(names)) or "none"
             raise ConfigError(f"method {self.name!r} takes no option {', '.join(unknown)} (its options: {allowed}).")
@@ -77,8 +132,8 @@ class MethodSpec:
 
 #: keyword arguments of ``specwise.generate`` (and their CLI flags): a method option may not reuse
 #: one, or ``generate(..., top_k=8)`` would silently mean the other thing
-RESERVED_OPTION_NAMES = frozenset({"target", "prompt", "method", "max_new_tokens", "temperature", "top_k", "top_p",
-                                   "repetition_penalty", "seed", "stop", "streamer"})
+RESERVED_OPTION_NAMES = frozenset({"target", "prompt", "method", "drafter", "max_new_tokens", "temperature", "top_k",
+                                   "top_p", "repetition_penalty", "seed", "stop", "streamer"})
 
 
 class MethodRegistry:
@@ -88,8 +143,9 @@ class MethodRegistry:
     def __init__(self) -> None:
         self._specs: dict[str, MethodSpec] = {}
 
-    def register(self, name: str, config_cls: type[MethodConfig], summary: str):
-        """Decorator registering a drafter factory (usually the drafter class) under ``name``."""
+    def register(self, name: str, config_cls: type[MethodConfig], summary: str, *, order: int = 100):
+        """Decorator registering a drafter factory (usually the drafter class) under ``name``;
+        ``order`` places the method in :meth:`listed` (lowest first, then by name)."""
 
         def decorate(factory):
             if name in self._specs:
@@ -97,7 +153,7 @@ class MethodRegistry:
             clash = sorted({f.name for f in dataclasses.fields(config_cls)} & RESERVED_OPTION_NAMES)
             if clash:
                 raise ValueError(f"method {name!r} has options named like generate() arguments: {', '.join(clash)}")
-            self._specs[name] = MethodSpec(name, config_cls, factory, summary)
+            self._specs[name] = MethodSpec(name, config_cls, factory, summary, order)
             if isinstance(factory, type):
                 factory.method = name
             return factory
@@ -115,7 +171,12 @@ class MethodRegistry:
         return self._specs[name]
 
     def names(self) -> list[str]:
+        """The method names, in registration order."""
         return list(self._specs)
+
+    def listed(self) -> list[MethodSpec]:
+        """The methods in listing order: by ``order``, then by name."""
+        return sorted(self._specs.values(), key=lambda spec: (spec.order, spec.name))
 
 
 #: the package's registry; drafter modules register themselves on import (specwise.drafters)

@@ -17,11 +17,12 @@ Per step:
    children that do not depend on their parent), and the ``total_tokens`` best nodes are verified
    in one tree forward. The drafter's positions are marginals given only the anchor, so a sibling
    below an accepted alternative is a guess; the tree buys the cases where the argmax is wrong.
-   For the shipped gemma-3-270m drafter it raised τ but not speed (README), so chains are the default.
+   For the shipped gemma-3-270m drafter it raised the accepted length but not speed (see
+   docs/benchmarks/dflash-tree-greedy-report.md and dflash-tree-t0.7-report.md), so chains are the default.
 4. **Dynamic length (``min_path_prob``).** A chain keeps its leading drafts whose path probability
    under the drafter (the product of the argmax probabilities up to them) reaches the threshold; a
    tree drops the nodes below it. On a hard step fewer rows are verified, on an easy one the
-   whole ``num_draft_tokens``; with none above it the step verifies the root alone.
+   whole ``depth``; with none above it the step verifies the root alone.
 
 Verification: the drafts (chain or tree) are a deterministic function of the context, so each is
 proposed with a point mass. Greedy decoding compares them with the target's argmax; sampling uses
@@ -38,45 +39,60 @@ length works.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from specwise.drafters.base import (
-    Drafter,
+    check_int,
     check_probability_threshold,
     register_drafter,
+    warn_renamed,
 )
-from specwise.drafters.checkpoint import load_vocabulary_module, shipped_drafter
-from specwise.drafters.lookup_graft import LookupGraft, LookupGraftConfig
+from specwise.drafters.checkpoint import load_vocabulary_module
+from specwise.drafters.trained import (
+    DrafterModule,
+    TrainedDrafter,
+    TrainedDrafterConfig,
+    check_placement,
+    load_or_shipped,
+)
 from specwise.engine.tree import best_nodes_tree, log_threshold
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
-from specwise.errors import ConfigError, DrafterError
+from specwise.errors import ConfigError
+from specwise.models.common import HeadCache
 from specwise.models.dflash import DFlashConfig, DFlashModel
-from specwise.models.eagle import HeadCache
+
+DRAFTER = DrafterModule("a", "DFlash drafter")
 
 
 @dataclass(frozen=True)
-class DFlashDrafterConfig(LookupGraftConfig):
-    """Options of ``dflash``."""
+class DFlashDrafterConfig(TrainedDrafterConfig):
+    """Options of ``dflash``.
 
-    drafter: str | None = None  # DFlash drafter directory; None = the one shipped for the target
+    ``depth`` was called ``num_draft_tokens``, which elsewhere is a fixed K (``pld``, ``draft``);
+    the old spelling still works (deprecated)."""
+
+    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {**TrainedDrafterConfig.RENAMED_OPTIONS, "num_draft_tokens": "depth"}
+
     # chain length, or tree depth (<= block_size - 1); None = the drafter's tuned default, else all B-1
-    num_draft_tokens: int | None = None
+    depth: int | None = None
     tree_top_k: int = 1  # alternatives per tree level; 1 = verify the argmax chain
     total_tokens: int = 8  # draft nodes verified per step when tree_top_k > 1 (the root excluded)
-    # 0.3 with all 7 drafts of the shipped drafter: +7% tokens/s over 3 fixed drafts, paired per prompt (README)
+    # with all drafts of the shipped drafter, faster than the few fixed drafts it replaced, paired per prompt
+    # (see docs/benchmarks/dynamic-budget-confirm-report.md and dynamic-budget-greedy-report.md)
     min_path_prob: float = 0.3  # verify only drafts whose path probability under the drafter reaches this
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.num_draft_tokens is not None and (not isinstance(self.num_draft_tokens, int)
-                                                  or self.num_draft_tokens < 1):
-            raise ConfigError(f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}.")
+        check_int("depth", self.depth, optional=True)
         for name in ("tree_top_k", "total_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
+            check_int(name, getattr(self, name))
         check_probability_threshold("min_path_prob", self.min_path_prob)
+
+    @property
+    def chain_draft_tokens(self) -> int | None:
+        return self.depth
 
 
 def load_dflash(path, target) -> DFlashModel:
@@ -88,59 +104,59 @@ def load_dflash(path, target) -> DFlashModel:
     Raises:
         DrafterError: not a DFlash checkpoint, trained for another target, or weights that do not fit.
     """
-
-    model, found = load_vocabulary_module(path, target, "dflash", "the DFlash drafter", DFlashConfig,
+    model, found = load_vocabulary_module(path, target, "dflash", DRAFTER.the(), DFlashConfig,
                                           lambda config, vocab: DFlashModel(target, config, vocab, initialize=False),
                                           tuple_fields=("feature_layers",), extras=("default_draft_tokens",))
     model.default_draft_tokens = found["default_draft_tokens"]
     return model
 
 
-@register_drafter("dflash", DFlashDrafterConfig, "DFlash block-diffusion drafter: a whole block in one forward")
-class DFlashDrafter(Drafter):
+@register_drafter("dflash", DFlashDrafterConfig,
+                  "DFlash block-diffusion drafter: a whole block in one forward", order=60)
+class DFlashDrafter(TrainedDrafter):
     """DFlash drafting.
 
     Args:
         target: the :class:`specwise.engine.target.Target`.
-        config: :class:`DFlashDrafterConfig`; ``config.drafter`` names the drafter unless ``model``
+        config: :class:`DFlashDrafterConfig`; ``config.drafter_path`` names the drafter unless ``model``
             is given; without either, the one shipped for the target is used.
         model: an already built :class:`DFlashModel` (in the target's dtype, on its device).
 
     Raises:
         DrafterError: no drafter given and none ships for the target, one trained for another
             target, or one in another dtype / on another device.
-        ConfigError: ``num_draft_tokens`` above ``block_size - 1``, or ``tree_top_k`` above the
-            draft vocabulary.
+        ConfigError: ``depth`` above ``block_size - 1``, or ``tree_top_k`` above the draft vocabulary.
+
+    Attributes:
+        depth: the chain length or tree depth drafted per step (the option, else the drafter's
+            tuned default, else ``block_size - 1``).
     """
 
     def __init__(self, target, config: DFlashDrafterConfig, model: DFlashModel | None = None) -> None:
-
         self.config = config
         if model is None:
-            path = config.drafter or shipped_drafter(target, "dflash")
-            if path is None:
-                raise DrafterError(f"method 'dflash' needs a DFlash drafter for target {target.name}: pass "
-                                   f"--drafter PATH (train one with `specwise train dflash`).")
-            model = load_dflash(path, target)
-        if model.dtype != target.dtype or model.fc.weight.device != target.device:
-            raise DrafterError(f"the DFlash drafter is {model.dtype} on {model.fc.weight.device} but the target "
-                               f"{target.name} is {target.dtype} on {target.device}; move it with .to(dtype=..., device=...).")
+            model = load_or_shipped(target, "dflash", config.drafter_path, DRAFTER, load_dflash)
+        check_placement(target, DRAFTER, model.fc.weight)
         drafts = model.config.block_size - 1
-        if config.num_draft_tokens is not None and config.num_draft_tokens > drafts:
-            raise ConfigError(f"num_draft_tokens={config.num_draft_tokens} but a block of {model.config.block_size} "
+        if config.depth is not None and config.depth > drafts:
+            raise ConfigError(f"depth={config.depth} but a block of {model.config.block_size} "
                               f"drafts at most {drafts}.")
         if config.tree_top_k > model.config.draft_vocab_size:
             raise ConfigError(f"tree_top_k ({config.tree_top_k}) exceeds the drafter's draft vocabulary "
                               f"({model.config.draft_vocab_size} tokens).")
         self.model = model
         tuned = getattr(model, "default_draft_tokens", None)
-        self.num_draft_tokens = min(config.num_draft_tokens or tuned or drafts, drafts)
+        self.depth = min(config.depth or tuned or drafts, drafts)
         self.target_hidden_layers = tuple(model.config.feature_layers)
-        self.lookup = LookupGraft(config, torch.tensor(sorted(target.eos_token_ids), dtype=torch.long))
-        self.reset()
+        self.setup_lookup(target)
 
-    def reset(self) -> None:
-        self.lookup.reset()
+    @property
+    def num_draft_tokens(self) -> int:
+        """Deprecated spelling of :attr:`depth`."""
+        warn_renamed(type(self).__name__, "num_draft_tokens", "depth")
+        return self.depth
+
+    def reset_model(self) -> None:
         cfg, dtype, device = self.model.config, self.model.dtype, self.model.fc.weight.device
         self.caches = [HeadCache(cfg.num_heads, cfg.head_dim, dtype, device) for _ in range(cfg.num_layers)]
         self._pending: list[torch.Tensor] = []  # [n, F*H] target features not yet in the caches
@@ -151,8 +167,7 @@ class DFlashDrafter(Drafter):
     def prefill(self, ctx: DraftContext) -> None:
         self._queue(ctx.hidden_states)
 
-    def observe(self, feedback: StepFeedback) -> None:
-        self.lookup.observe(feedback)
+    def observe_model(self, feedback: StepFeedback) -> None:
         self._queue(feedback.hidden_states)
 
     @torch.inference_mode()
@@ -167,15 +182,11 @@ class DFlashDrafter(Drafter):
         for cache, (k, v) in zip(self.caches, self.model.context_keys_values(context, positions)):
             cache.append(k, v)
 
-    def propose(self, ctx: DraftContext) -> Proposal:
-        chain = self.lookup.lookup(ctx)
-        return self.lookup.graft(self._draft_block(ctx), chain)
-
     @torch.inference_mode()
-    def _draft_block(self, ctx: DraftContext) -> Proposal:
-        """The block's chain or tree (steps 1-4 of the module docstring)."""
+    def draft(self, ctx: DraftContext, lookup: torch.Tensor | None) -> Proposal:
+        """The block's chain or tree (steps 1-4 of the module docstring; ``lookup`` is not used)."""
         self._catch_up()
-        count = min(self.num_draft_tokens, ctx.max_draft_tokens)
+        count = min(self.depth, ctx.max_draft_tokens)
         if count <= 0:
             return Proposal.empty(ctx.token_ids.device)
         model, size = self.model, self.model.config.block_size

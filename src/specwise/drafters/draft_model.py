@@ -22,10 +22,11 @@ verified row for nothing. It changes which tokens are proposed, never the output
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from specwise.drafters.base import Drafter, DraftingConfig, register_drafter
+from specwise.drafters.base import Drafter, DraftingConfig, check_probability, register_drafter
 from specwise.drafters.checkpoint import is_checkpoint, load_checkpoint, shipped_drafter
 from specwise.engine.cache import KVCache
 from specwise.engine.loading import load_model_and_tokenizer
@@ -36,22 +37,24 @@ from specwise.engine.sampling import (
     sample_token,
 )
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
-from specwise.errors import ConfigError, DrafterError
+from specwise.errors import DrafterError
 from specwise.models.draft_lm import DraftLM, DraftLMConfig
 
 
 @dataclass(frozen=True)
 class DraftModelConfig(DraftingConfig):
-    """Options of ``draft``."""
+    """Options of ``draft``. ``drafter_path`` was called ``drafter`` (also ``generate``'s argument
+    for a built drafter); the old spelling still works (deprecated)."""
+
+    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"drafter": "drafter_path"}
 
     num_draft_tokens: int = 8  # most tokens drafted per step (K)
-    drafter: str | None = None  # draft model path (specwise checkpoint, HF directory or .gguf); None = shipped
+    drafter_path: str | None = None  # draft model (specwise checkpoint, HF directory or .gguf); None = shipped
     confidence_threshold: float = 0.5  # stop the chain when the draft's top probability is below this; 0 = off
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0.0 <= self.confidence_threshold < 1.0:
-            raise ConfigError(f"confidence_threshold must be in [0, 1), got {self.confidence_threshold}.")
+        check_probability("confidence_threshold", self.confidence_threshold)
 
 
 def check_same_vocabulary(target, draft_model, draft_tokenizer=None, draft_name: str = "the draft model") -> None:
@@ -124,13 +127,14 @@ def load_draft_lm(path, target):
     return model.to_own(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
 
 
-@register_drafter("draft", DraftModelConfig, "a small draft LM with the target's tokenizer (speculative sampling)")
+@register_drafter("draft", DraftModelConfig,
+                  "a small draft LM with the target's tokenizer (speculative sampling)", order=30)
 class DraftModelDrafter(Drafter):
     """Speculative sampling with a separate draft LM.
 
     Args:
         target: the :class:`specwise.engine.target.Target`.
-        config: :class:`DraftModelConfig`; ``config.drafter`` names the model to load unless
+        config: :class:`DraftModelConfig`; ``config.drafter_path`` names the model to load unless
             ``draft_model`` is given; without either, the drafter shipped for the target is used.
         draft_model: an already loaded HF causal LM or :class:`DraftLM` (on the target's device).
 
@@ -144,7 +148,7 @@ class DraftModelDrafter(Drafter):
         self.config = config
         self.vocab_size = target.vocab_size
         if draft_model is None:
-            path = config.drafter or shipped_drafter(target, "draft")
+            path = config.drafter_path or shipped_drafter(target, "draft")
             if path is None:
                 raise DrafterError(
                     f"method 'draft' needs a draft model for target {target.name}: pass --drafter PATH "

@@ -39,46 +39,58 @@ from dataclasses import dataclass
 import torch
 
 from specwise.drafters.base import (
-    Drafter,
+    check_int,
+    check_probability,
     check_probability_threshold,
     register_drafter,
+    warn_renamed,
 )
-from specwise.drafters.checkpoint import load_vocabulary_module, shipped_drafter
-from specwise.drafters.lookup_graft import LookupGraft, LookupGraftConfig
+from specwise.drafters.checkpoint import load_vocabulary_module
+from specwise.drafters.trained import (
+    DrafterModule,
+    TrainedDrafter,
+    TrainedDrafterConfig,
+    check_placement,
+    load_or_shipped,
+)
 from specwise.engine.tree import best_nodes_tree, log_threshold
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
-from specwise.errors import ConfigError, DrafterError
-from specwise.models.eagle import EagleConfig, EagleHead, HeadCache
+from specwise.errors import ConfigError
+from specwise.models.common import HeadCache
+from specwise.models.eagle import EagleConfig, EagleHead
+
+HEAD = DrafterModule("an", "EAGLE head")
 
 
 @dataclass(frozen=True)
-class EagleDrafterConfig(LookupGraftConfig):
+class EagleDrafterConfig(TrainedDrafterConfig):
     """Options of ``eagle`` (the dynamic tree's budget). ``tree_top_k`` is EAGLE-2's ``top_k``,
     renamed so it cannot be mistaken for the sampling option ``top_k``."""
 
-    drafter: str | None = None  # EAGLE head directory; None = the one shipped for the target
-    # defaults: the fastest of 6 settings on this CPU for the shipped gemma-3-270m head (README):
-    # each verified token costs ~7% of a target step here, so small trees win at its acceptance
+    # defaults: the fastest tree on this CPU for the shipped gemma-3-270m head; a verified token costs
+    # a measurable share of a target step here, so small trees win at its acceptance (see
+    # docs/benchmarks/eagle-tuning-report.md and eagle-stage2-tuning-report.md)
     depth: int = 4  # tree levels below the root (head forwards per step)
     tree_top_k: int = 4  # children per expanded node, and nodes expanded per level (EAGLE's top_k)
     total_tokens: int = 8  # draft nodes verified per step (the root excluded)
-    # 0.1: +8% tokens/s over no threshold, paired per prompt, on 17 default bench prompts (15 of 17
-    # faster); on the 14 held-out ones +2% greedy and +7% at T=0.7 (README)
+    # faster than no threshold, paired per prompt, greedy and sampled (see
+    # docs/benchmarks/dynamic-budget-confirm-report.md, dynamic-budget-greedy-report.md, dynamic-budget-t0.7-report.md)
     min_path_prob: float = 0.1  # verify only nodes whose path probability under the head reaches this
-    # while the lookup's estimated per-token acceptance reaches this, the head drafts one level only
-    # (1 = never; 0.9 measured +1% and +4% in two runs, within noise: README)
-    lookup_trust: float = 1.0
+    # while the lookup's estimated per-token acceptance reaches this, the head drafts one level only;
+    # None = off. 0.9 and 0.8 measured within noise of off (see docs/benchmarks/lookup-graft-trust-greedy-report.md)
+    lookup_trust: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("depth", "tree_top_k", "total_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
+            check_int(name, getattr(self, name))
         check_probability_threshold("min_path_prob", self.min_path_prob)
-        if isinstance(self.lookup_trust, bool) or not isinstance(self.lookup_trust, (int, float)) \
-                or not 0 < self.lookup_trust <= 1:
-            raise ConfigError(f"lookup_trust must be in (0, 1], got {self.lookup_trust!r}.")
+        if self.lookup_trust is not None and not isinstance(self.lookup_trust, bool) and self.lookup_trust == 1:
+            # 1 used to be the spelling of "off" (no estimate reaches it): still read as off
+            warn_renamed(type(self).__name__, "lookup_trust=1", "lookup_trust=None", " (off)", stacklevel=5)
+            object.__setattr__(self, "lookup_trust", None)
+        if self.lookup_trust is not None:
+            check_probability("lookup_trust", self.lookup_trust, zero=False)
 
 
 def load_eagle_head(path, target) -> EagleHead:
@@ -87,20 +99,20 @@ def load_eagle_head(path, target) -> EagleHead:
     Raises:
         DrafterError: not an EAGLE checkpoint, trained for another target, or weights that do not fit.
     """
-
-    head, _ = load_vocabulary_module(path, target, "eagle", "the EAGLE head", EagleConfig,
+    head, _ = load_vocabulary_module(path, target, "eagle", HEAD.the(), EagleConfig,
                                      lambda config, vocab: EagleHead(target, config, vocab, initialize=False),
                                      tuple_fields=("feature_layers",))
     return head
 
 
-@register_drafter("eagle", EagleDrafterConfig, "EAGLE-3 head on the target's features, EAGLE-2 dynamic draft tree")
-class EagleDrafter(Drafter):
+@register_drafter("eagle", EagleDrafterConfig,
+                  "EAGLE-3 head on the target's features, EAGLE-2 dynamic draft tree", order=40)
+class EagleDrafter(TrainedDrafter):
     """EAGLE-3 drafting with EAGLE-2 dynamic trees.
 
     Args:
         target: the :class:`specwise.engine.target.Target`.
-        config: :class:`EagleDrafterConfig`; ``config.drafter`` names the head unless ``head`` is
+        config: :class:`EagleDrafterConfig`; ``config.drafter_path`` names the head unless ``head`` is
             given; without either, the head shipped for the target is used.
         head: an already built :class:`EagleHead` (in the target's dtype, on its device).
 
@@ -110,28 +122,18 @@ class EagleDrafter(Drafter):
     """
 
     def __init__(self, target, config: EagleDrafterConfig, head: EagleHead | None = None) -> None:
-
         self.config = config
         if head is None:
-            path = config.drafter or shipped_drafter(target, "eagle")
-            if path is None:
-                raise DrafterError(f"method 'eagle' needs an EAGLE head for target {target.name}: pass "
-                                   f"--drafter PATH (train one with `specwise train eagle`).")
-            head = load_eagle_head(path, target)
-        weight = head.fc.weight
-        if weight.dtype != target.dtype or weight.device != target.device:
-            raise DrafterError(f"the EAGLE head is {weight.dtype} on {weight.device} but the target {target.name} "
-                               f"is {target.dtype} on {target.device}; move it with .to(dtype=..., device=...).")
+            head = load_or_shipped(target, "eagle", config.drafter_path, HEAD, load_eagle_head)
+        check_placement(target, HEAD, head.fc.weight)
         if config.tree_top_k > head.config.draft_vocab_size:
             raise ConfigError(f"tree_top_k ({config.tree_top_k}) exceeds the head's draft vocabulary "
                               f"({head.config.draft_vocab_size} tokens).")
         self.head = head
         self.target_hidden_layers = tuple(head.config.feature_layers)
-        self.lookup = LookupGraft(config, torch.tensor(sorted(target.eos_token_ids), dtype=torch.long))
-        self.reset()
+        self.setup_lookup(target)
 
-    def reset(self) -> None:
-        self.lookup.reset()
+    def reset_model(self) -> None:
         cfg = self.head.config
         self.cache = HeadCache(cfg.num_heads, cfg.head_dim, self.head.fc.weight.dtype, self.head.fc.weight.device)
         self._pending_features: list[torch.Tensor] = []  # [n, F*H] fused target features not yet cached
@@ -145,8 +147,7 @@ class EagleDrafter(Drafter):
     def prefill(self, ctx: DraftContext) -> None:
         self._queue(ctx.hidden_states, ctx.token_ids[1:])
 
-    def observe(self, feedback: StepFeedback) -> None:
-        self.lookup.observe(feedback)
+    def observe_model(self, feedback: StepFeedback) -> None:
         kept = feedback.num_accepted + 1  # the old root and the accepted drafts
         self._queue(feedback.hidden_states, feedback.token_ids[-kept:])
 
@@ -169,12 +170,11 @@ class EagleDrafter(Drafter):
         attended = head.attend(q[-1:], keys, values, allowed)
         return head.finish(feature[-1:], attended)[0]
 
-    def propose(self, ctx: DraftContext) -> Proposal:
-        chain = self.lookup.lookup(ctx)
+    def draft(self, ctx: DraftContext, lookup: torch.Tensor | None) -> Proposal:
         # a trusted lookup leaves the head one level: its depth-1 alternatives, for when the copy breaks
-        trusted = chain is not None and self.lookup.acceptance >= self.config.lookup_trust
-        tree = self._draft_tree(ctx, 1 if trusted else self.config.depth)
-        return self.lookup.graft(tree, chain)
+        trust = self.config.lookup_trust
+        trusted = lookup is not None and trust is not None and self.lookup.acceptance >= trust
+        return self._draft_tree(ctx, 1 if trusted else self.config.depth)
 
     @torch.inference_mode()
     def _draft_tree(self, ctx: DraftContext, depth: int) -> Proposal:
@@ -196,7 +196,8 @@ class EagleDrafter(Drafter):
         # every node created so far, in creation order: draft-vocabulary index, cumulative score, and
         # parent (creation index; -1 = the root)
         # scores use the head's distribution at temperature 1 also when sampling: sharpened to the
-        # sampling temperature (logits / T) they kept more nodes and ran 12% slower at T=0.7 (README)
+        # sampling temperature (logits / T) they kept more nodes and ran slower (see
+        # docs/benchmarks/lookup-graft-t0.7-report.md, its eagle[temperature_scores=...] rows)
         logp = torch.log_softmax(head.logits(root_h).float(), dim=-1).clamp_max(0.0)  # shape: [Vd]
         all_score, all_index = logp.topk(k)
         all_parent = torch.full((k,), -1, dtype=torch.long, device=device)

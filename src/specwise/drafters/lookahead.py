@@ -23,16 +23,16 @@ from dataclasses import dataclass
 
 import torch
 
-from specwise.drafters.base import Drafter, MethodConfig, check_flag, register_drafter
+from specwise.drafters.base import Drafter, MethodConfig, check_flag, check_int, register_drafter
 from specwise.drafters.prompt_lookup import find_continuation
 from specwise.engine.tree import merge_paths
 from specwise.engine.types import AuxiliaryTokens, DraftContext, Proposal, StepFeedback
-from specwise.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class LookaheadConfig(MethodConfig):
-    """Options of ``lookahead`` (defaults tuned for Gemma-3-270M on a 2-core CPU; README)."""
+    """Options of ``lookahead`` (defaults tuned for Gemma-3-270M on a 2-core CPU; see
+    docs/benchmarks/lookahead-tuning-report.md)."""
 
     window_size: int = 2  # W: Jacobi guesses per level (look-ahead distance)
     ngram_size: int = 3  # N: n-gram length; the window keeps N - 1 levels
@@ -44,14 +44,10 @@ class LookaheadConfig(MethodConfig):
     def __post_init__(self) -> None:
         check_flag("pool_from_prompt", self.pool_from_prompt)
         check_flag("pool_from_output", self.pool_from_output)
-        if not isinstance(self.context_match_tokens, int) or self.context_match_tokens < 0:
-            raise ConfigError(f"context_match_tokens must be an integer >= 0, got {self.context_match_tokens!r}.")
+        check_int("context_match_tokens", self.context_match_tokens, 0)
         for name in ("window_size", "max_candidates"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
-        if not isinstance(self.ngram_size, int) or self.ngram_size < 2:
-            raise ConfigError(f"ngram_size must be an integer >= 2, got {self.ngram_size!r}.")
+            check_int(name, getattr(self, name))
+        check_int("ngram_size", self.ngram_size, 2)
 
 
 class NgramPool:
@@ -92,7 +88,8 @@ def window_layout(levels: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     return positions, sees_level0 | same_column
 
 
-@register_drafter("lookahead", LookaheadConfig, "Lookahead decoding: Jacobi window + n-gram pool, verified as a tree")
+@register_drafter("lookahead", LookaheadConfig,
+                  "Lookahead decoding: Jacobi window + n-gram pool, verified as a tree", order=20)
 class LookaheadDrafter(Drafter):
     """Lookahead decoding as a drafter: the Jacobi window rides along as auxiliary tokens."""
 

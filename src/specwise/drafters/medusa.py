@@ -29,12 +29,19 @@ from dataclasses import dataclass
 import torch
 
 from specwise.drafters.base import (
-    Drafter,
+    check_int,
+    check_probability,
     check_probability_threshold,
     register_drafter,
 )
-from specwise.drafters.checkpoint import load_vocabulary_module, shipped_drafter
-from specwise.drafters.lookup_graft import LookupGraft, LookupGraftConfig
+from specwise.drafters.checkpoint import load_vocabulary_module
+from specwise.drafters.trained import (
+    DrafterModule,
+    TrainedDrafter,
+    TrainedDrafterConfig,
+    check_placement,
+    load_or_shipped,
+)
 from specwise.engine.tree import DraftTree, best_nodes_tree, log_threshold
 from specwise.engine.types import (
     DraftContext,
@@ -42,34 +49,35 @@ from specwise.engine.types import (
     StepFeedback,
     TypicalAcceptance,
 )
-from specwise.errors import ConfigError, DrafterError
+from specwise.errors import ConfigError
 from specwise.models.medusa import MedusaConfig, MedusaHeads
 from specwise.models.medusa_tree import tree_from_paths
 
 ACCEPTANCE_RULES = ("exact", "typical-lossy")
+HEADS = DrafterModule("", "Medusa heads")
 
 
 @dataclass(frozen=True)
-class MedusaDrafterConfig(LookupGraftConfig):
+class MedusaDrafterConfig(TrainedDrafterConfig):
     """Options of ``medusa``."""
 
-    drafter: str | None = None  # Medusa heads directory; None = the heads shipped for the target
     tree_nodes: int | None = None  # draft nodes per step: the first N calibrated paths (None = the heads' default)
     acceptance: str = "exact"  # "exact" (lossless) or "typical-lossy" (Medusa's typical acceptance, not lossless)
     posterior_threshold: float = 0.09  # typical-lossy: epsilon
     posterior_alpha: float = 0.3  # typical-lossy: delta
-    # 0.15 with the shipped heads' 12-node tree: +1-4% tokens/s over 2 fixed nodes, paired per prompt (README)
+    # with the shipped heads' 12-node tree, slightly faster than 2 fixed nodes, paired per prompt (see
+    # docs/benchmarks/dynamic-budget-confirm-report.md, dynamic-budget-greedy-report.md, dynamic-budget-t0.7-report.md)
     min_path_prob: float = 0.15  # verify only nodes whose path probability under the heads reaches this
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.tree_nodes is not None and (not isinstance(self.tree_nodes, int) or self.tree_nodes < 1):
-            raise ConfigError(f"tree_nodes must be an integer >= 1, got {self.tree_nodes!r}.")
+        check_int("tree_nodes", self.tree_nodes, optional=True)
         if self.acceptance not in ACCEPTANCE_RULES:
             raise ConfigError(f"acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}.")
-        if not 0 < self.posterior_threshold <= 1 or not self.posterior_alpha > 0:
-            raise ConfigError(f"posterior_threshold must be in (0, 1] and posterior_alpha > 0, got "
-                              f"{self.posterior_threshold!r} and {self.posterior_alpha!r}.")
+        check_probability("posterior_threshold", self.posterior_threshold, zero=False, one=True)
+        if isinstance(self.posterior_alpha, bool) or not isinstance(self.posterior_alpha, (int, float)) \
+                or not self.posterior_alpha > 0:
+            raise ConfigError(f"posterior_alpha must be a number > 0, got {self.posterior_alpha!r}.")
         check_probability_threshold("min_path_prob", self.min_path_prob)
 
 
@@ -103,20 +111,20 @@ def load_medusa_heads(path, target) -> tuple[MedusaHeads, MedusaTree]:
     Raises:
         DrafterError: not a Medusa checkpoint, trained for another target, or weights that do not fit.
     """
-
-    heads, found = load_vocabulary_module(path, target, "medusa", "the Medusa heads", MedusaConfig,
+    heads, found = load_vocabulary_module(path, target, "medusa", HEADS.the(), MedusaConfig,
                                           lambda config, vocab: MedusaHeads(target, config, vocab), extras=("tree",))
     tree = MedusaTree.from_dict(found["tree"]) if found["tree"] else chain_tree(heads.config.num_heads)
     return heads, tree
 
 
-@register_drafter("medusa", MedusaDrafterConfig, "Medusa heads on the target's last hidden state, static draft tree")
-class MedusaDrafter(Drafter):
+@register_drafter("medusa", MedusaDrafterConfig,
+                  "Medusa heads on the target's last hidden state, static draft tree", order=50)
+class MedusaDrafter(TrainedDrafter):
     """Medusa-1 drafting: K heads, a calibrated static tree.
 
     Args:
         target: the :class:`specwise.engine.target.Target`.
-        config: :class:`MedusaDrafterConfig`; ``config.drafter`` names the heads unless ``heads`` is
+        config: :class:`MedusaDrafterConfig`; ``config.drafter_path`` names the heads unless ``heads`` is
             given; without either, the heads shipped for the target are used.
         heads: already built :class:`MedusaHeads` (in the target's dtype, on its device).
         tree: the static tree for ``heads`` (default: a chain of top-1 tokens, one per head).
@@ -129,19 +137,11 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, target, config: MedusaDrafterConfig, heads: MedusaHeads | None = None,
                  tree: MedusaTree | None = None) -> None:
-
         self.config = config
         if heads is None:
-            path = config.drafter or shipped_drafter(target, "medusa")
-            if path is None:
-                raise DrafterError(f"method 'medusa' needs Medusa heads for target {target.name}: pass "
-                                   f"--drafter PATH (train them with `specwise train medusa`).")
-            heads, tree = load_medusa_heads(path, target)
+            heads, tree = load_or_shipped(target, "medusa", config.drafter_path, HEADS, load_medusa_heads)
         tree = tree or chain_tree(heads.config.num_heads)
-        weight = heads.scale
-        if weight.dtype != target.dtype or weight.device != target.device:
-            raise DrafterError(f"the Medusa heads are {weight.dtype} on {weight.device} but the target {target.name} "
-                               f"is {target.dtype} on {target.device}; move them with .to(dtype=..., device=...).")
+        check_placement(target, HEADS, heads.scale)
         nodes = config.tree_nodes or tree.default_nodes
         if nodes > len(tree.paths):
             raise ConfigError(f"tree_nodes={nodes} but the heads' calibrated tree has {len(tree.paths)} paths.")
@@ -163,27 +163,20 @@ class MedusaDrafter(Drafter):
         self._typical = (TypicalAcceptance(config.posterior_threshold, config.posterior_alpha)
                          if config.acceptance == "typical-lossy" else None)
         self.target_hidden_layers = (heads.config.hidden_layer,)
-        self.lookup = LookupGraft(config, torch.tensor(sorted(target.eos_token_ids), dtype=torch.long))
-        self.reset()
+        self.setup_lookup(target)
 
-    def reset(self) -> None:
-        self.lookup.reset()
+    def reset_model(self) -> None:
         self._hidden: torch.Tensor | None = None  # [H] the target's final hidden state at the root's parent
 
     def prefill(self, ctx: DraftContext) -> None:
         self._hidden = ctx.hidden_states[self.heads.config.hidden_layer][-1]
 
-    def observe(self, feedback: StepFeedback) -> None:
-        self.lookup.observe(feedback)
+    def observe_model(self, feedback: StepFeedback) -> None:
         self._hidden = feedback.hidden_states[self.heads.config.hidden_layer][-1]
 
-    def propose(self, ctx: DraftContext) -> Proposal:
-        chain = self.lookup.lookup(ctx)
-        return self.lookup.graft(self._draft_tree(ctx), chain)
-
     @torch.inference_mode()
-    def _draft_tree(self, ctx: DraftContext) -> Proposal:
-        """The heads' static tree, pruned by ``min_path_prob``."""
+    def draft(self, ctx: DraftContext, lookup: torch.Tensor | None) -> Proposal:
+        """The heads' static tree, pruned by ``min_path_prob`` (``lookup`` is not used)."""
         depth = min(self._used_heads, ctx.max_draft_tokens)
         if depth <= 0 or self._hidden is None:
             return Proposal.empty(ctx.token_ids.device)

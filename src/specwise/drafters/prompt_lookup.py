@@ -61,7 +61,8 @@ def lookup_continuation(
     return token_ids[start: start + num_tokens]
 
 
-@register_drafter("pld", PromptLookupConfig, "prompt lookup: copy what followed the last n-gram earlier in the context")
+@register_drafter("pld", PromptLookupConfig,
+                  "prompt lookup: copy what followed the last n-gram earlier in the context", order=10)
 class PromptLookupDrafter(Drafter):
     """Drafts by n-gram matching against the context; no model."""
 

@@ -43,13 +43,14 @@ def measure_draft_cost(target, spec: str, context_ids: torch.Tensor, repeats: in
         ``(K, median draft tokens per call, median seconds per call)``.
 
     Raises:
-        ConfigError: the method drafts no chain (no ``num_draft_tokens`` option), or it proposed
-            nothing on this context. DrafterError: unknown method, missing weights.
+        ConfigError: the method drafts no chain of a set length (no ``num_draft_tokens`` option, or
+            ``dflash`` without ``depth``), or it proposed nothing on this context. DrafterError:
+            unknown method, missing weights.
     """
     name, options = split_spec(spec)
     method = METHODS.get(name)
     config = method.make_config(**options)
-    k = getattr(config, "num_draft_tokens", None)
+    k = config.chain_draft_tokens
     if k is None:
         raise ConfigError(f"the speedup model covers chain drafters with a num_draft_tokens option; "
                           f"method {name!r} has none.")
@@ -90,7 +91,7 @@ def calibrate(
     Args:
         target: the :class:`specwise.engine.target.Target` to measure.
         methods: chain drafting method specs (``pld``, ``pld[num_draft_tokens=5]``,
-            ``draft[drafter=PATH]``); ``ar`` is skipped (it drafts nothing, c = 0).
+            ``draft[drafter_path=PATH]``); ``ar`` is skipped (it drafts nothing, c = 0).
         sizes: token counts n for ``t(n)``; 1 is always included.
         context_length: cached context tokens before each timed forward (and the drafters' context).
         repeats: timed runs per size and per method (medians are reported).

@@ -19,6 +19,13 @@ from transformers.cache_utils import Cache, DynamicLayer
 _INITIAL_CAPACITY = 256
 
 
+def grown_capacity(capacity: int, needed: int) -> int:
+    """The capacity a full buffer of ``capacity`` rows grows to so that it holds ``needed`` rows:
+    doubled (so appending one step at a time copies the history O(log n) times), or ``needed``
+    when that is more."""
+    return max(needed, 2 * capacity)
+
+
 class GrowableLayer(DynamicLayer):
     """A full-attention cache layer over a preallocated buffer that doubles when full.
 
@@ -37,7 +44,7 @@ class GrowableLayer(DynamicLayer):
         return (*states.shape[:-2], capacity, states.shape[-1])
 
     def _grow(self, needed: int) -> None:
-        capacity = max(needed, 2 * self._key_buffer.shape[-2])
+        capacity = grown_capacity(self._key_buffer.shape[-2], needed)
         for name in ("_key_buffer", "_value_buffer"):
             old = getattr(self, name)
             new = old.new_empty(self._shape(old, capacity))

@@ -1,5 +1,5 @@
-"""``specwise demo`` / ``make demo``: ar against pld, lookahead and (where one ships for the target) the
-trained draft LM on the real default target, built-in prompts."""
+"""``specwise demo`` / ``make demo``: ``ar`` against every other registered method on the real default
+target, built-in prompts; a trained method takes part where its drafter ships for the target."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specwise.api import build_drafter, generate
+from specwise.drafters import METHODS
 from specwise.drafters.checkpoint import shipped_drafter
 from specwise.engine.target import load_target
 from specwise.lab.bench.runner import TIE_MARGIN, first_divergence
@@ -18,14 +19,16 @@ DEMO_CATEGORIES = ("code", "summarization", "rag")
 
 
 def run_demo(target_name: str, max_new_tokens: int, device, progress) -> int:
-    """Generate with ``ar``, ``pld``, ``lookahead`` and the trained drafters that ship for the target
-    (``draft``, ``eagle``, ``medusa``, ``dflash``), interleaved after a warm-up; print text and stats."""
+    """Generate with every registered method in listing order (``METHODS.listed()``: today ``ar``,
+    ``pld``, ``lookahead``, ``draft``, ``eagle``, ``medusa``, ``dflash``), a trained one only where its
+    drafter ships for the target, interleaved after a warm-up; print text and stats."""
     console = Console()
     target = load_target(target_name, dtype="bfloat16", device=device, progress=progress)
     records = [r for r in load_prompts([builtin_prompt_file()]) if r.category in DEMO_CATEGORIES]
 
-    trained = tuple(m for m in ("draft", "eagle", "medusa", "dflash") if shipped_drafter(target, m))
-    methods = ("ar", "pld", "lookahead") + trained
+    # every method in listing order, the trained ones only where a drafter ships for the target
+    methods = tuple(spec.name for spec in METHODS.listed()
+                    if not spec.needs_weights or shipped_drafter(target, spec.name))
     drafters = {m: build_drafter(target, m) for m in methods}
     for drafter in drafters.values():  # warm-up
         generate(target, records[0].prompt, drafter=drafter, max_new_tokens=16)

@@ -30,8 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specwise.errors import ConfigError
-from specwise.models.draft_lm import Borrowed
-from specwise.models.eagle import check_taps_and_vocabulary, rotary
+from specwise.models.common import Borrowed, check_int, check_taps_and_vocabulary, rotary
 
 
 @dataclass(frozen=True)
@@ -52,10 +51,8 @@ class DFlashConfig:
         if not self.feature_layers:
             raise ConfigError("a DFlash drafter needs at least one feature layer.")
         for name in ("draft_vocab_size", "num_layers", "num_heads", "head_dim", "intermediate_size", "window"):
-            if int(getattr(self, name)) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if self.block_size < 2:
-            raise ConfigError(f"block_size must be >= 2 (the anchor and at least one draft), got {self.block_size}.")
+            check_int(name, getattr(self, name))
+        check_int("block_size", self.block_size, 2)  # the anchor and at least one draft
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even (rotary), got {self.head_dim}.")
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from specwise.errors import ConfigError, DrafterError
+from specwise.models.common import Borrowed
 
 
 @dataclass(frozen=True)
@@ -57,23 +58,6 @@ class DraftLMConfig:
                 raise ConfigError(f"init layer {index} is outside the target's {num_target_layers} layers.")
             out.append(resolved)
         return tuple(out)
-
-
-class Borrowed:
-    """Target tensors a drafter uses but does not own (kept out of ``state_dict`` and the optimizer).
-
-    Built by :meth:`from_target`: the target's input embedding module and its LM-head rows of a draft
-    vocabulary."""
-
-    def __init__(self, embed: nn.Module, head: torch.Tensor) -> None:
-        self.embed = embed  # the target's input embedding module
-        self.head = head  # shape: [Vd, H], the target's LM-head rows of the draft vocabulary
-
-    @staticmethod
-    def from_target(target, vocab: torch.Tensor) -> "Borrowed":
-        """``vocab``: ``[Vd]`` int64 target token ids."""
-        head = target.model.get_output_embeddings().weight
-        return Borrowed(target.model.get_input_embeddings(), head[vocab.to(head.device)].detach())
 
 
 class DraftLM(nn.Module):

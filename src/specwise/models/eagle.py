@@ -22,8 +22,8 @@ earlier keys, so prompts and generations of any length work with the relative po
 was trained on.
 
 Initialization (``initialize``): random projections and zero residual branches (``o_proj``,
-``down_proj``), so the untrained head starts from the fused features alone. (Initializing ``fc`` to
-pass the high tap through instead gave the same loss curve over the first 40 steps.)
+``down_proj``), so the untrained head starts from the fused features alone (initializing ``fc`` to
+pass the high tap through instead was tried and bought nothing: docs/notes/drafters.md).
 """
 
 from __future__ import annotations
@@ -35,30 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specwise.errors import ConfigError, DrafterError
-from specwise.models.draft_lm import Borrowed
-
-
-def check_taps_and_vocabulary(target, feature_layers: tuple[int, ...], vocab: torch.Tensor, size: int) -> None:
-    """Check a drafter's feature taps and draft vocabulary against ``target`` (EAGLE, DFlash).
-
-    Args:
-        feature_layers: HF ``hidden_states`` indices the drafter reads.
-        vocab: ``[Vd]`` int64 target token ids of the draft vocabulary.
-        size: the draft vocabulary size the drafter's config says.
-
-    Raises:
-        ConfigError: a feature layer outside the target's hidden states.
-        DrafterError: the vocabulary table does not match ``size`` or the target.
-    """
-    num_layers = int(target.model.config.get_text_config().num_hidden_layers)
-    bad = [i for i in feature_layers if not 0 <= i <= num_layers]
-    if bad:
-        raise ConfigError(f"feature layer {bad[0]} is outside the target's hidden states 0..{num_layers}.")
-    if vocab.numel() != size:
-        raise DrafterError(f"draft vocabulary has {vocab.numel()} ids but the config says {size}.")
-    if int(vocab.max()) >= target.vocab_size or int(vocab.min()) < 0:
-        raise DrafterError(f"draft vocabulary ids fall outside the target's {target.vocab_size} tokens.")
+from specwise.errors import ConfigError
+from specwise.models.common import Borrowed, check_int, check_taps_and_vocabulary, rotary
 
 
 @dataclass(frozen=True)
@@ -77,8 +55,7 @@ class EagleConfig:
         if not self.feature_layers:
             raise ConfigError("an EAGLE head needs at least one feature layer.")
         for name in ("draft_vocab_size", "num_heads", "head_dim", "intermediate_size", "window"):
-            if int(getattr(self, name)) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}.")
+            check_int(name, getattr(self, name))
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even (rotary pairs), got {self.head_dim}.")
 
@@ -88,24 +65,6 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
     ``hidden_states`` indices, i.e. the inputs of those layers), de-duplicated for shallow targets."""
     picks = [min(2, num_layers), num_layers // 2, max(num_layers - 3, 0)]
     return tuple(sorted(set(picks)))
-
-
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding (Su et al. 2021), half-split layout.
-
-    Args:
-        x: ``[..., n, heads, d]``.
-        positions: ``[..., n]`` long.
-
-    Returns:
-        ``x`` rotated, same shape and dtype.
-    """
-    d = x.shape[-1]
-    inv = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)  # shape: [d/2]
-    angles = positions.float()[..., None] * inv  # shape: [..., n, d/2]
-    cos, sin = angles.cos()[..., None, :], angles.sin()[..., None, :]  # shape: [..., n, 1, d/2]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class EagleHead(nn.Module):
@@ -278,35 +237,3 @@ class EagleHead(nn.Module):
 
     def architecture(self) -> dict:
         return {**asdict(self.config), "feature_layers": list(self.config.feature_layers)}
-
-
-class HeadCache:
-    """The head's KV cache: one entry per committed position with a true target feature.
-
-    Attributes:
-        keys, values: ``[capacity, heads, d]`` buffers; the first ``length`` rows are live.
-        length: committed entries (equals the target's cache length once the head caught up).
-    """
-
-    def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device, capacity: int = 256) -> None:
-        self.keys = torch.empty(capacity, heads, head_dim, dtype=dtype, device=device)
-        self.values = torch.empty_like(self.keys)
-        self.length = 0
-
-    def reserve(self, n: int) -> None:
-        """Make room for ``n`` rows past ``length`` (committed entries, or a draft tree's scratch rows)."""
-        if self.length + n > self.keys.shape[0]:
-            grow = max(2 * self.keys.shape[0], self.length + n)
-            for name in ("keys", "values"):
-                old = getattr(self, name)
-                new = torch.empty(grow, *old.shape[1:], dtype=old.dtype, device=old.device)
-                new[: self.length] = old[: self.length]
-                setattr(self, name, new)
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append ``[n, heads, d]`` committed keys and values."""
-        n = k.shape[0]
-        self.reserve(n)
-        self.keys[self.length: self.length + n] = k
-        self.values[self.length: self.length + n] = v
-        self.length += n

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specwise.errors import ConfigError, DrafterError
-from specwise.models.draft_lm import Borrowed
+from specwise.errors import DrafterError
+from specwise.models.common import Borrowed, check_int
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,7 @@ class MedusaConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers", "draft_vocab_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}.")
+            check_int(name, getattr(self, name))
 
 
 def final_hidden_layer(target) -> int:

@@ -1,0 +1,133 @@
+"""What the trained drafters (``eagle``, ``medusa``, ``dflash``) share: loading their module from a
+path or the one shipped for the target, the dtype/device check, and the context lookup grafted onto
+their proposals (:mod:`specwise.drafters.lookup_graft`).
+
+A subclass supplies its own drafting: :meth:`TrainedDrafter.draft` (the model's chain or tree) and,
+when it keeps per-generation state, :meth:`TrainedDrafter.reset_model` and
+:meth:`TrainedDrafter.observe_model`. :meth:`TrainedDrafter.propose` is always "lookup, then the
+model's draft, then the lookup grafted on".
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from specwise.drafters.base import Drafter
+from specwise.drafters.checkpoint import shipped_drafter
+from specwise.drafters.lookup_graft import LookupGraft, LookupGraftConfig
+from specwise.engine.types import DraftContext, Proposal, StepFeedback
+from specwise.errors import DrafterError
+
+
+@dataclass(frozen=True)
+class TrainedDrafterConfig(LookupGraftConfig):
+    """Options every trained drafter takes: where its weights are, and the context lookup's.
+
+    ``drafter_path`` was called ``drafter``, which is also ``generate``'s argument for a built
+    :class:`Drafter`; the old spelling still works (deprecated)."""
+
+    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"drafter": "drafter_path"}
+    drafter_path: str | None = None  # the drafter's directory; None = the one shipped for the target
+
+
+@dataclass(frozen=True)
+class DrafterModule:
+    """How a trained drafter names its module in messages, e.g. ``DrafterModule("an", "EAGLE head")``.
+
+    Attributes:
+        article: ``"a"`` / ``"an"``, or ``""`` for a plural (``"Medusa heads"``).
+        noun: what the module is.
+    """
+
+    article: str
+    noun: str
+
+    @property
+    def plural(self) -> bool:
+        return not self.article
+
+    def needs(self) -> str:
+        """``"an EAGLE head"``, ``"Medusa heads"``."""
+        return f"{self.article} {self.noun}".strip()
+
+    def the(self) -> str:
+        return f"the {self.noun}"
+
+
+def load_or_shipped(target, method: str, path: str | Path | None, what: DrafterModule,
+                    load: Callable[[Any, Any], Any]):
+    """``load(path, target)``, or ``load`` of the drafter of ``method`` shipped for ``target``.
+
+    Raises:
+        DrafterError: no ``path`` and none ships for the target (the message says how to train one).
+    """
+    path = path or shipped_drafter(target, method)
+    if path is None:
+        pronoun = "them" if what.plural else "one"
+        raise DrafterError(f"method {method!r} needs {what.needs()} for target {target.name}: pass "
+                           f"--drafter PATH (train {pronoun} with `specwise train {method}`).")
+    return load(path, target)
+
+
+def check_placement(target, what: DrafterModule, weight: torch.Tensor) -> None:
+    """Refuse a drafter module whose weights are in another dtype or on another device than the target's.
+
+    Args:
+        weight: one of the module's own weights (they all share its dtype and device).
+
+    Raises:
+        DrafterError: the dtype or the device differs.
+    """
+    if weight.dtype != target.dtype or weight.device != target.device:
+        verb, pronoun = ("are", "them") if what.plural else ("is", "it")
+        raise DrafterError(f"{what.the()} {verb} {weight.dtype} on {weight.device} but the target {target.name} "
+                           f"is {target.dtype} on {target.device}; move {pronoun} with .to(dtype=..., device=...).")
+
+
+class TrainedDrafter(Drafter):
+    """Base of the drafters whose proposals come from a trained module, with the context lookup grafted on.
+
+    A subclass calls :meth:`setup_lookup` in its ``__init__`` (after its own state is built) and
+    implements :meth:`draft`.
+    """
+
+    config: TrainedDrafterConfig
+    lookup: LookupGraft
+
+    def setup_lookup(self, target) -> None:
+        """Build the lookup graft from ``self.config`` and reset the drafter."""
+        self.lookup = LookupGraft(self.config, torch.tensor(sorted(target.eos_token_ids), dtype=torch.long))
+        self.reset()
+
+    @abstractmethod
+    def draft(self, ctx: DraftContext, lookup: torch.Tensor | None) -> Proposal:
+        """The module's own proposal (delta proposals only, no auxiliary tokens).
+
+        Args:
+            ctx: the step's context.
+            lookup: ``[L]`` long, this step's lookup continuation, or ``None`` (some drafters draft
+                less when it is trusted).
+        """
+
+    def reset_model(self) -> None:
+        """Forget the module's per-generation state (caches, pending features)."""
+
+    def observe_model(self, feedback: StepFeedback) -> None:
+        """Take in the step's committed tokens and target outputs."""
+
+    def reset(self) -> None:
+        self.lookup.reset()
+        self.reset_model()
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        chain = self.lookup.lookup(ctx)
+        return self.lookup.graft(self.draft(ctx, chain), chain)
+
+    def observe(self, feedback: StepFeedback) -> None:
+        self.lookup.observe(feedback)
+        self.observe_model(feedback)

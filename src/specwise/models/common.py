@@ -1,0 +1,143 @@
+"""The parts the drafter networks share, and the checks of their options.
+
+- :func:`rotary`: rotary position embedding (EAGLE, DFlash);
+- :class:`HeadCache`: a growable KV cache of committed entries (EAGLE's head, each DFlash layer);
+- :class:`Borrowed`: the target tensors a drafter uses but never stores (embeddings, LM-head rows);
+- :func:`check_taps_and_vocabulary`: a drafter's feature taps and draft vocabulary against the target;
+- option checks (:func:`check_int`, :func:`check_probability`, :func:`check_flag`), used by the
+  model configs here and by the method options in :mod:`specwise.drafters`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specwise.engine.cache import grown_capacity
+from specwise.errors import ConfigError, DrafterError
+
+
+def check_int(name: str, value: object, minimum: int = 1, *, optional: bool = False) -> None:
+    """Refuse anything but an integer ``>= minimum`` (``None`` too when ``optional``).
+
+    Booleans are refused: the option text ``true`` parses to one, and would read as 1.
+
+    Raises:
+        ConfigError: ``value`` is not such an integer.
+    """
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+
+
+def check_probability(name: str, value: object, *, zero: bool = True, one: bool = False) -> None:
+    """Refuse a value that is not a probability in the interval given by ``zero`` / ``one``
+    (whether 0 and 1 are allowed; the default is ``[0, 1)``).
+
+    Raises:
+        ConfigError: ``value`` is not a number in that interval.
+    """
+    low, high = ("[" if zero else "("), ("]" if one else ")")
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not number or not ((0.0 <= value) if zero else (0.0 < value)) or not ((value <= 1.0) if one else (value < 1.0)):
+        raise ConfigError(f"{name} must be a probability in {low}0, 1{high}, got {value!r}.")
+
+
+def check_flag(name: str, value: object) -> None:
+    """Refuse a non-bool value for an on/off option (the text ``"false"`` would read as on).
+
+    Raises:
+        ConfigError: ``value`` is not a bool.
+    """
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}.")
+
+
+def check_taps_and_vocabulary(target, feature_layers: tuple[int, ...], vocab: torch.Tensor, size: int) -> None:
+    """Check a drafter's feature taps and draft vocabulary against ``target`` (EAGLE, DFlash).
+
+    Args:
+        feature_layers: HF ``hidden_states`` indices the drafter reads.
+        vocab: ``[Vd]`` int64 target token ids of the draft vocabulary.
+        size: the draft vocabulary size the drafter's config says.
+
+    Raises:
+        ConfigError: a feature layer outside the target's hidden states.
+        DrafterError: the vocabulary table does not match ``size`` or the target.
+    """
+    num_layers = int(target.model.config.get_text_config().num_hidden_layers)
+    bad = [i for i in feature_layers if not 0 <= i <= num_layers]
+    if bad:
+        raise ConfigError(f"feature layer {bad[0]} is outside the target's hidden states 0..{num_layers}.")
+    if vocab.numel() != size:
+        raise DrafterError(f"draft vocabulary has {vocab.numel()} ids but the config says {size}.")
+    if int(vocab.max()) >= target.vocab_size or int(vocab.min()) < 0:
+        raise DrafterError(f"draft vocabulary ids fall outside the target's {target.vocab_size} tokens.")
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021), half-split layout.
+
+    Args:
+        x: ``[..., n, heads, d]``.
+        positions: ``[..., n]`` long.
+
+    Returns:
+        ``x`` rotated, same shape and dtype.
+    """
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)  # shape: [d/2]
+    angles = positions.float()[..., None] * inv  # shape: [..., n, d/2]
+    cos, sin = angles.cos()[..., None, :], angles.sin()[..., None, :]  # shape: [..., n, 1, d/2]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Borrowed:
+    """Target tensors a drafter uses but does not own (kept out of ``state_dict`` and the optimizer).
+
+    Built by :meth:`from_target`: the target's input embedding module and its LM-head rows of a draft
+    vocabulary."""
+
+    def __init__(self, embed: nn.Module, head: torch.Tensor) -> None:
+        self.embed = embed  # the target's input embedding module
+        self.head = head  # shape: [Vd, H], the target's LM-head rows of the draft vocabulary
+
+    @staticmethod
+    def from_target(target, vocab: torch.Tensor) -> "Borrowed":
+        """``vocab``: ``[Vd]`` int64 target token ids."""
+        head = target.model.get_output_embeddings().weight
+        return Borrowed(target.model.get_input_embeddings(), head[vocab.to(head.device)].detach())
+
+
+class HeadCache:
+    """A drafter's KV cache: one entry per committed position with a true target feature.
+
+    Attributes:
+        keys, values: ``[capacity, heads, d]`` buffers; the first ``length`` rows are live.
+        length: committed entries (equals the target's cache length once the drafter caught up).
+    """
+
+    def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device, capacity: int = 256) -> None:
+        self.keys = torch.empty(capacity, heads, head_dim, dtype=dtype, device=device)
+        self.values = torch.empty_like(self.keys)
+        self.length = 0
+
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` rows past ``length`` (committed entries, or a draft tree's scratch rows)."""
+        if self.length + n > self.keys.shape[0]:
+            grow = grown_capacity(self.keys.shape[0], self.length + n)
+            for name in ("keys", "values"):
+                old = getattr(self, name)
+                new = torch.empty(grow, *old.shape[1:], dtype=old.dtype, device=old.device)
+                new[: self.length] = old[: self.length]
+                setattr(self, name, new)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``[n, heads, d]`` committed keys and values."""
+        n = k.shape[0]
+        self.reserve(n)
+        self.keys[self.length: self.length + n] = k
+        self.values[self.length: self.length + n] = v
+        self.length += n
