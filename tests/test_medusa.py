@@ -15,10 +15,11 @@ from conftest import ARCHS, make_target, random_prompt, reference_greedy
 from specwise.api import load_drafter
 from specwise.drafters.checkpoint import DrafterCheckpoint, save_checkpoint, target_fingerprint
 from specwise.drafters.medusa import MedusaDrafter, MedusaDrafterConfig, MedusaTree, load_medusa_heads
+from specwise.engine.acceptance import EXACT
 from specwise.engine.loop import speculative_generate
+from specwise.engine.lossy import typical_tree_accept
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.types import DraftContext
-from specwise.engine.verify import typical_tree_accept
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.medusa import MedusaConfig, MedusaHeads
 from specwise.models.medusa_tree import expected_accepted, rank_paths, tree_from_paths
@@ -118,7 +119,7 @@ def test_proposal_takes_each_depths_tokens_from_its_heads_ranking():
     want = [order[len(p) - 1, p[-1]] for p in tree.paths]
     assert proposal.tokens.tolist() == heads.vocab[torch.stack(want)].tolist()
     assert proposal.parents.tolist() == [0, 0, 1, 1, 2, 3]
-    assert proposal.typical is None
+    assert proposal.acceptance is EXACT
 
 
 def test_min_path_prob_drops_the_nodes_whose_path_probability_is_below_it():

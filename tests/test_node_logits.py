@@ -118,7 +118,7 @@ def tree_logits_made(monkeypatch) -> list[TreeLogits]:
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr("specwise.engine.loop.TreeLogits", Recorded)
+    monkeypatch.setattr("specwise.engine.step.TreeLogits", Recorded)
     return made
 
 
@@ -156,7 +156,7 @@ def test_sampled_walks_match_all_rows_exactly(rule, penalty, tree_logits_made):
 
 
 def test_verify_tree_accepts_plain_logits():
-    from specwise.engine.loop import verify_tree
+    from specwise.engine.step import verify_tree
 
     tree = DraftTree.build(5, torch.tensor([7, 8, 9]), torch.tensor([0, 0, 1]))
     logits = torch.full((4, 12), -5.0, dtype=torch.float64)

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import reference_scores
-from specwise.engine.loop import verify_chain
 from specwise.engine.sampling import SamplingConfig, nucleus, prefix_token_masks, probs_from_scores, process_logits
+from specwise.engine.step import verify_chain
 
 V = 24
 

@@ -167,7 +167,7 @@ def test_sampled_sequences_follow_the_target_distribution(config):
 
 def test_statistical_check_detects_a_lossy_verifier(monkeypatch):
     """Power check: accepting every draft (a lossy rule) must fail the same test."""
-    monkeypatch.setattr("specwise.engine.loop.speculative_sample",
+    monkeypatch.setattr("specwise.engine.step.speculative_sample",
                         lambda drafts, p, q, generator: (drafts.numel(), int(torch.multinomial(p[-1], 1, generator=generator))))
     make_drafter, max_new_tokens, sampling = CONFIGS["draft-t0.8"]
     target = make_target("llama", 0, vocab_size=V, eos=())

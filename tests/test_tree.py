@@ -645,7 +645,7 @@ def test_end_to_end_check_detects_a_lossy_tree_verifier(monkeypatch):
             path.append(node)
         return path, int(torch.multinomial(probs[node], 1, generator=generator))
 
-    monkeypatch.setattr("specwise.engine.loop.tree_speculative_sample", first_children)
+    monkeypatch.setattr("specwise.engine.acceptance.tree_speculative_sample", first_children)
     sampling = dict(temperature=0.8)
     target = make_target("llama", 0, vocab_size=SMALL_V, eos=())
     counts, _, _ = _sampled_tree_counts("iid", E2E_SEEDS // 5, sampling)

@@ -137,7 +137,7 @@ class LookupGraft:
         tokens, parents = graft_chain(proposal.tokens, proposal.parents, chain)
         if tokens.numel() == proposal.tokens.numel():
             return proposal  # the tree already held the whole continuation
-        return Proposal(tokens, parents=parents, typical=proposal.typical)
+        return Proposal(tokens, parents=parents, acceptance=proposal.acceptance)
 
     def observe(self, feedback: StepFeedback) -> None:
         """Count how much of this step's lookup the target accepted (its leading tokens that

@@ -17,7 +17,7 @@ Acceptance:
   proposals. The tree is a deterministic function of the context, so a point mass is each node's
   exact proposal distribution and the output is distributed exactly as the target's.
 * ``acceptance="typical-lossy"``: Medusa's typical acceptance when sampling
-  (:class:`specwise.engine.types.TypicalAcceptance`). Faster at high temperature, **not lossless**: the
+  (:class:`specwise.engine.lossy.TypicalAcceptance`). Faster at high temperature, **not lossless**: the
   output distribution differs from the target's (a test demonstrates it). Greedy decoding is exact
   either way.
 """
@@ -42,12 +42,13 @@ from specwise.drafters.trained import (
     check_placement,
     load_or_shipped,
 )
+from specwise.engine.acceptance import EXACT
+from specwise.engine.lossy import TypicalAcceptance
 from specwise.engine.tree import DraftTree, best_nodes_tree, log_threshold
 from specwise.engine.types import (
     DraftContext,
     Proposal,
     StepFeedback,
-    TypicalAcceptance,
 )
 from specwise.errors import ConfigError
 from specwise.models.medusa import MedusaConfig, MedusaHeads
@@ -160,8 +161,8 @@ class MedusaDrafter(TrainedDrafter):
         if self._top > heads.config.draft_vocab_size:
             raise ConfigError(f"the tree uses rank {self._top - 1} but the draft vocabulary has "
                               f"{heads.config.draft_vocab_size} tokens.")
-        self._typical = (TypicalAcceptance(config.posterior_threshold, config.posterior_alpha)
-                         if config.acceptance == "typical-lossy" else None)
+        self._acceptance = (TypicalAcceptance(config.posterior_threshold, config.posterior_alpha)
+                            if config.acceptance == "typical-lossy" else EXACT)
         self.target_hidden_layers = (heads.config.hidden_layer,)
         self.setup_lookup(target)
 
@@ -184,7 +185,7 @@ class MedusaDrafter(TrainedDrafter):
         top_logits, top = logits.topk(self._top, dim=-1)  # shape: [K', R]
         tokens = self.heads.vocab[top[self._depths - 1, self._ranks]]  # shape: [N]
         if self.config.min_path_prob <= 0:
-            return Proposal(tokens, parents=self._parents, typical=self._typical)
+            return Proposal(tokens, parents=self._parents, acceptance=self._acceptance)
         # each node's log-probability under its head, summed down the (topologically ordered) tree
         node_logp = (top_logits.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True))[
             self._depths - 1, self._ranks].clamp_max(0.0)  # shape: [N]
@@ -193,4 +194,4 @@ class MedusaDrafter(TrainedDrafter):
                                           log_threshold(self.config.min_path_prob))
         if chosen.numel() == 0:
             return Proposal.empty(tokens.device)
-        return Proposal(tokens[chosen], parents=parents, typical=self._typical)
+        return Proposal(tokens[chosen], parents=parents, acceptance=self._acceptance)

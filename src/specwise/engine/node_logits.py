@@ -2,9 +2,10 @@
 
 A tree verification walks one path from the root; it reads the target's distribution at the nodes it
 visits (the accepted ones and the last) and never at the others. For a small model with a large
-vocabulary the LM head is most of a forward (Gemma-3-270M, bf16, 2 CPU threads: 20 ms of a 48 ms
-one-token forward, then ~2.3 ms per extra row, against ~1.5 ms per extra token for the body), so a
-16-node tree whose LM head runs on every node costs 102 ms where one on a single row costs 72 ms.
+vocabulary the LM head is a large share of a forward, and each extra row it computes costs more
+than an extra token through the body, so a tree whose LM head runs on every node costs clearly more
+than one whose head runs on a single path (measured on Gemma-3-270M on the target CPU; see
+docs/notes/loop.md).
 
 So the verification forward computes the LM head on the drafter's most likely path only (each
 node's first child, which drafters order best first) and keeps the final hidden states; when the walk

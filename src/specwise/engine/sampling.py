@@ -117,10 +117,10 @@ def nucleus(scores: torch.Tensor, top_p: float, first_k: int = 1024) -> torch.Te
 
     A token is kept iff the probability mass of the tokens ranked above it is below ``top_p``, so
     the most likely token always is. Only the ``first_k`` most likely tokens are sorted (a partial
-    sort), growing 8x at a time until they hold ``top_p`` of the mass: a full sort of a 262k
-    vocabulary costs 12–13 ms a row on CPU against 0.8 ms for this, and a nucleus rarely holds more
-    than a few hundred tokens. The kept set equals a full sort's in float64; in float32 the token at
-    the boundary can round either way.
+    sort), growing eightfold at a time until they hold ``top_p`` of the mass: a nucleus rarely holds
+    more than a few hundred tokens, and a full sort of a large vocabulary costs many times more per
+    row on CPU (measured on the target CPU; see docs/notes/loop.md). The kept set equals a full
+    sort's in float64; in float32 the token at the boundary can round either way.
 
     Args:
         scores: ``[N, V]`` float scores (temperature and top-k already applied; ``-inf`` = masked).
@@ -154,8 +154,9 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator | None = None) 
     """Draw one token id from a ``[V]`` probability vector (need not be normalised).
 
     Inverse-CDF sampling: one uniform number and a float64 cumulative sum. Exact up to float64
-    rounding, never returns a zero-probability token, and ~10x faster on CPU than
-    ``torch.multinomial`` for a 262k vocabulary (which draws V random numbers).
+    rounding, never returns a zero-probability token, and faster on CPU than ``torch.multinomial``
+    for a large vocabulary, which draws V random numbers (measured on the target CPU; see
+    docs/notes/loop.md).
     """
     cdf = probs.to(torch.float64).cumsum(0)
     u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]

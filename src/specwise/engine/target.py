@@ -157,8 +157,9 @@ class Target:
             keep = 0
         else:
             # An index tensor, not an int: HF slices an int as a view whose [1, 1, H] strides send
-            # torch's linear down a slow batched path that copies the whole LM head (~0.5 s for
-            # Gemma-3-270M on CPU); an index gather gives a freshly laid-out tensor.
+            # torch's linear down a slow batched path that copies the whole LM head (a large cost
+            # per generation for Gemma-3-270M on CPU; see docs/notes/loop.md); an index gather
+            # gives a freshly laid-out tensor.
             keep = torch.arange(n - num_logits, n, device=input_ids.device)
         extra = {}
         if layout is not None:

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from specwise.engine.acceptance import EXACT, AcceptanceRule
 from specwise.engine.sampling import SamplingConfig
 
 
@@ -30,22 +31,6 @@ class AuxiliaryTokens:
 
 
 @dataclass(frozen=True)
-class TypicalAcceptance:
-    """Medusa's *typical acceptance* rule (Cai et al. 2024; ALGORITHMS.md §2.6). **Not lossless.**
-
-    When sampling, a draft node is accepted when the target gives its token probability above
-    ``min(posterior_threshold, posterior_alpha * exp(-H(p)))`` (H: the entropy of the target's
-    processed distribution at the parent); the deepest accepted path wins (ties: the larger sum of
-    log-probabilities) and the next root is sampled from the target at its end. Accepting by a
-    threshold instead of a ratio test biases the output toward drafted tokens, so the output
-    distribution is not the target's. Greedy decoding ignores it (greedy verification is exact).
-    """
-
-    posterior_threshold: float = 0.09  # epsilon
-    posterior_alpha: float = 0.3  # delta (Medusa's default is about sqrt(epsilon))
-
-
-@dataclass(frozen=True)
 class Proposal:
     """Draft tokens for one speculation step: a chain, or a tree.
 
@@ -58,9 +43,12 @@ class Proposal:
             the root and token i is node i + 1 (so ``parents[i] <= i``); ``None`` for a chain.
         sibling_rule: for trees with ``draft_probs``: how siblings were drawn, ``"iid"`` or
             ``"without_replacement"`` (see :func:`specwise.engine.verify.tree_speculative_sample`).
-        auxiliary: extra tokens run in the same forward for the drafter (see :class:`AuxiliaryTokens`).
-        typical: for trees: verify by the **lossy** :class:`TypicalAcceptance` rule when sampling,
-            instead of recursive rejection; ``None`` (the default) keeps verification exact.
+        auxiliary: extra tokens run in the same forward for the drafter, whose logits come back
+            in ``StepFeedback.aux_logits`` (see :class:`AuxiliaryTokens`).
+        acceptance: the rule that walks the tree (:class:`specwise.engine.acceptance.AcceptanceRule`);
+            the default :data:`~specwise.engine.acceptance.EXACT` is lossless. A chain with another
+            rule is verified as a one-branch tree by that rule. The lossy rules live in
+            :mod:`specwise.engine.lossy` (e.g. Medusa's ``TypicalAcceptance``).
     """
 
     tokens: torch.Tensor
@@ -68,7 +56,7 @@ class Proposal:
     parents: torch.Tensor | None = None
     sibling_rule: str = "delta"
     auxiliary: AuxiliaryTokens | None = None
-    typical: TypicalAcceptance | None = None
+    acceptance: AcceptanceRule = EXACT
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> "Proposal":
@@ -133,7 +121,7 @@ class SpecStats:
 
     Units: times in seconds (wall clock); ``mean_accepted_length`` (τ) is new tokens per target
     forward, the prefill forward included, so it counts the bonus / correction token and plain
-    decoding has τ = 1.
+    decoding's τ is exactly one.
     """
 
     method: str

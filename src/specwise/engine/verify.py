@@ -1,13 +1,14 @@
 """Verification maths: pure functions over tensors, no models, no caches, explicit RNG.
 
+Every rule here is exact: the emitted tokens are distributed as decoding the target alone. Lossy
+relaxations (Medusa's typical acceptance) live apart, in :mod:`specwise.engine.lossy`.
+
 Names follow ALGORITHMS.md §0: ``target_probs`` (p) and ``draft_probs`` (q). ``num_accepted``
 counts accepted draft tokens and excludes the bonus / correction token; a step emits
 ``num_accepted + 1`` tokens.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -197,54 +198,3 @@ def tree_speculative_sample(
             return path, sample_token(residual, generator)
         path.append(accepted)
         node = accepted
-
-
-def typical_tree_accept(
-    parents: list[int],
-    node_tokens: list[int],
-    target_probs: torch.Tensor,
-    posterior_threshold: float,
-    posterior_alpha: float,
-    generator: torch.Generator | None = None,
-) -> tuple[list[int], int]:
-    """Medusa's typical acceptance over a tree (Cai et al. 2024, ``evaluate_posterior``;
-    ALGORITHMS.md §2.6). **Lossy**: the output is not distributed as the target's.
-
-    A node is accepted when the target's probability of its token at its parent exceeds
-    ``min(posterior_threshold, posterior_alpha * exp(-H))``, with ``H = -sum p log(p + 1e-5)`` the
-    entropy there. The deepest node whose whole path is accepted wins; among equally deep ones the
-    largest sum of log-probabilities, then the earliest node. The next root is sampled from the
-    target's distribution at the winner (Medusa's ``fast`` mode takes the argmax instead).
-
-    Args:
-        parents: ``n`` parent node indices (entry 0, the root's, is ignored); parents come first.
-        node_tokens: ``n`` token ids, node 0 the root.
-        target_probs: ``[n, V]`` processed target probabilities per node.
-        posterior_threshold: epsilon, a probability.
-        posterior_alpha: delta, a factor on ``exp(-H)``.
-        generator: RNG for the next-root draw.
-
-    Returns:
-        ``(path, next_token)`` as in :func:`greedy_tree_accept`.
-    """
-    entropy = -(target_probs * torch.log(target_probs + 1e-5)).sum(-1)  # shape: [n]
-    bar = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold).tolist()
-    n = len(node_tokens)
-    depth, score, ok = [0] * n, [0.0] * n, [True] + [False] * (n - 1)
-    best = 0
-    for node in range(1, n):
-        parent = parents[node]
-        p = float(target_probs[parent, node_tokens[node]])
-        ok[node] = ok[parent] and p > bar[parent]
-        if not ok[node]:
-            continue
-        depth[node] = depth[parent] + 1
-        score[node] = score[parent] + math.log(max(p, 1e-30))
-        if (depth[node], score[node]) > (depth[best], score[best]):
-            best = node
-    path = []
-    node = best
-    while node:
-        path.append(node)
-        node = parents[node]
-    return path[::-1], sample_token(target_probs[best], generator)

@@ -1,0 +1,229 @@
+"""The verification step: one target forward over a proposal, the acceptance decision, the cache commit.
+
+:func:`verify_proposal` is all the loop calls. It knows two shapes of proposal, not methods:
+
+- a plain chain (no parents, nothing riding along, the exact rule) takes the fast path: one causal
+  forward, :func:`verify_chain`, a cache rollback;
+- anything else is a tree (a chain with auxiliary tokens or another acceptance rule is a one-branch
+  tree): one forward with a 4-D mask over the pruned tree plus the proposal's auxiliary tokens,
+  :func:`verify_tree` walking it by the proposal's :class:`~specwise.engine.acceptance.AcceptanceRule`,
+  and a cache compaction to the accepted path.
+
+The acceptance maths itself is pure and lives in :mod:`specwise.engine.verify` (lossy rules in
+:mod:`specwise.engine.lossy`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specwise.engine.acceptance import EXACT, AcceptanceRule, ExactAcceptance
+from specwise.engine.cache import KVCache
+from specwise.engine.node_logits import TreeLogits, first_child_path
+from specwise.engine.sampling import SamplingConfig, prefix_token_masks, probs_from_scores, process_logits
+from specwise.engine.target import AttentionLayout
+from specwise.engine.tree import DraftTree
+from specwise.engine.types import AuxiliaryTokens, Proposal
+from specwise.engine.verify import greedy_accept, speculative_sample
+
+
+def verify_chain(
+    logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    context_ids: torch.Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Process the target's logits for a chain and decide how many drafts to accept.
+
+    Args:
+        logits: ``[K+1, V]`` raw target logits at the root and each draft position.
+        draft_tokens: ``[K]`` long.
+        draft_probs: ``[K, V]`` or ``None`` (deterministic proposal).
+        context_ids: ``[T+1]`` long, committed tokens ending with the root (for history-dependent
+            processing such as the repetition penalty).
+        sampling: the sampling options; greedy uses exact matching, otherwise speculative sampling.
+        generator: RNG for sampling.
+
+    Returns:
+        ``(num_accepted, next_token)``.
+    """
+    seen = prefix_token_masks(context_ids, draft_tokens, logits.shape[-1]) if sampling.uses_history else None
+    if sampling.is_greedy:
+        scores = logits if seen is None else process_logits(logits, sampling, seen)
+        return greedy_accept(draft_tokens, scores.argmax(dim=-1))
+    probs = probs_from_scores(process_logits(logits, sampling, seen))
+    return speculative_sample(draft_tokens, probs, draft_probs, generator)
+
+
+def verify_tree(
+    logits: "torch.Tensor | TreeLogits",
+    tree: DraftTree,
+    draft_probs: torch.Tensor | None,
+    sibling_rule: str,
+    context_ids: torch.Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    acceptance: AcceptanceRule = EXACT,
+) -> tuple[list[int], int]:
+    """Process the target's logits at the tree nodes the walk visits, and walk the tree.
+
+    Args:
+        logits: ``[n, V]`` raw target logits per node (node 0 = root), or a :class:`TreeLogits`
+            that computes a node's row when the walk first reaches it (a path at a time).
+        tree: the draft tree.
+        draft_probs: ``[n-1, V]`` per draft node, or ``None``.
+        sibling_rule: see :func:`specwise.engine.verify.tree_speculative_sample`.
+        context_ids: ``[T+1]`` committed tokens ending with the root.
+        sampling: the sampling options; each node's row is processed with its own path's prefix.
+        generator: RNG for sampling.
+        acceptance: the rule that walks the tree (default: the exact one).
+
+    Returns:
+        ``(path, next_token)``: accepted node indices (root excluded) and the next root.
+    """
+    rows = logits if isinstance(logits, TreeLogits) else TreeLogits.complete(logits)
+    seen = None
+    if sampling.uses_history:
+        vocab = rows.vocab_size
+        seen = prefix_token_masks(context_ids, context_ids[:0], vocab).expand(tree.size, vocab).clone()
+        on_path = tree.ancestors.clone()
+        on_path[:, 0] = False  # the root is already in the context
+        node_index, ancestor = on_path.nonzero(as_tuple=True)
+        seen[node_index, tree.tokens[ancestor]] = True
+
+    def scores(nodes: list[int]) -> torch.Tensor:  # shape: [len(nodes), V]
+        return process_logits(rows.rows(nodes), sampling, None if seen is None else seen[nodes])
+
+    return acceptance.accept_tree(tree, scores, draft_probs, sibling_rule, sampling, generator)
+
+
+@dataclass(frozen=True)
+class VerifiedStep:
+    """The outcome of one verification forward, after the cache commit.
+
+    Attributes:
+        accepted: the accepted draft tokens, in order (the bonus token excluded).
+        next_token: the correction / bonus token, the next root.
+        accepted_nodes: the accepted drafts' indices into ``Proposal.tokens``.
+        num_drafted: draft tokens verified (after cutting or pruning to the budget).
+        depth: the deepest draft position verified (a chain's length).
+        hidden_states: per requested layer, ``[len(accepted) + 1, H]`` at the kept positions (the
+            old root and the accepted drafts).
+        aux_logits: ``[R, V]`` target logits of the auxiliary rows the proposal asked for, or ``None``.
+    """
+
+    accepted: list[int]
+    next_token: int
+    accepted_nodes: list[int]
+    num_drafted: int
+    depth: int
+    hidden_states: dict[int, torch.Tensor]
+    aux_logits: torch.Tensor | None = None
+
+
+def verify_proposal(target, cache: KVCache, context: torch.Tensor, proposal: Proposal, *, budget: int,
+                    sampling: SamplingConfig, generator: torch.Generator | None,
+                    hidden_layers: tuple[int, ...]) -> VerifiedStep:
+    """Verify a proposal in one target forward and keep only the accepted path in the KV cache.
+
+    Args:
+        target: the :class:`specwise.engine.target.Target`.
+        cache: the generation's KV cache, holding ``len(context) - 1`` positions.
+        context: ``[T+1]`` long, committed tokens ending with the root.
+        proposal: the drafter's proposal; chains are cut and trees pruned to ``budget``.
+        budget: at most this many drafts may be accepted (so the bonus token still fits).
+        sampling: the sampling options.
+        generator: RNG for sampling.
+        hidden_layers: the hidden-state layers to return for the kept positions.
+
+    Returns:
+        :class:`VerifiedStep`; the cache then holds ``T + len(accepted) + 1`` positions.
+    """
+    verify = _verify_plain_chain if _is_plain_chain(proposal) else _verify_as_tree
+    return verify(target, cache, context, proposal, budget, sampling, generator, hidden_layers)
+
+
+def _is_plain_chain(proposal: Proposal) -> bool:
+    """A chain with nothing riding along, walked by the exact rule."""
+    return proposal.parents is None and proposal.auxiliary is None and type(proposal.acceptance) is ExactAcceptance
+
+
+def _verify_plain_chain(target, cache, context, proposal, budget, sampling, generator, hidden_layers) -> VerifiedStep:
+    """The fast path: a causal forward over root + drafts, then a rollback past the accepted ones."""
+    start = cache.length
+    drafts = proposal.tokens[:budget]
+    k = drafts.numel()
+    probs = None if proposal.draft_probs is None else proposal.draft_probs[:k]
+    result = target.forward(torch.cat([context[-1:], drafts]) if k else context[-1:], cache,
+                            num_logits=k + 1, hidden_layers=hidden_layers)
+    num_accepted, next_token = verify_chain(result.logits, drafts, probs, context, sampling, generator)
+    cache.rollback(start + num_accepted + 1)
+    return VerifiedStep(
+        accepted=drafts[:num_accepted].tolist(),
+        next_token=next_token,
+        accepted_nodes=list(range(num_accepted)),
+        num_drafted=k,
+        depth=k,
+        hidden_states={i: h[: num_accepted + 1] for i, h in result.hidden_states.items()},
+    )
+
+
+def _verify_as_tree(target, cache, context, proposal, budget, sampling, generator, hidden_layers) -> VerifiedStep:
+    """A tree (and any auxiliary tokens) in one forward with a 4-D mask, walked by the proposal's rule.
+
+    Unless the rule reads every node, the LM head runs on the drafter's most likely path only and
+    the walk computes other nodes' rows when it reaches them (:mod:`specwise.engine.node_logits`).
+    """
+    start = cache.length
+    tree = DraftTree.build(context[-1], proposal.tokens, proposal.parents).pruned(budget)
+    lazy = not proposal.acceptance.reads_every_node and target.computes_logits_from_hidden
+    head_nodes = first_child_path(tree.children, 0) if lazy else list(range(tree.size))
+    layers = tuple(dict.fromkeys(hidden_layers + ((target.final_layer,) if lazy else ())))
+    tokens, layout, logit_rows = _forward_inputs(tree, proposal.auxiliary, head_nodes, start, context.device)
+    result = target.forward(tokens, cache, logit_rows=logit_rows, hidden_layers=layers, layout=layout)
+    h = len(head_nodes)
+    logits = TreeLogits(head_nodes, result.logits[:h],
+                        result.hidden_states[target.final_layer][: tree.size] if lazy else None,
+                        target.logits_from_final_hidden)
+    draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[tree.kept[1:] - 1]
+    path, next_token = verify_tree(logits, tree, draft_probs, proposal.sibling_rule, context, sampling,
+                                   generator, proposal.acceptance)
+    kept = [0] + path
+    cache.commit_path(start, kept)
+    original = tree.kept.tolist()
+    return VerifiedStep(
+        accepted=tree.tokens[path].tolist(),
+        next_token=next_token,
+        accepted_nodes=[original[i] - 1 for i in path],
+        num_drafted=tree.size - 1,
+        depth=int(tree.depth.max()),
+        hidden_states={i: result.hidden_states[i][kept] for i in hidden_layers},
+        aux_logits=result.logits[h:] if proposal.auxiliary is not None else None,
+    )
+
+
+def _forward_inputs(tree: DraftTree, auxiliary: AuxiliaryTokens | None, head_nodes: list[int], start: int,
+                    device: torch.device) -> tuple[torch.Tensor, AttentionLayout, torch.Tensor]:
+    """The tree's tokens, layout and logit rows, with the auxiliary tokens appended after the tree.
+
+    Auxiliary tokens see the cached prefix, the root and each other as ``auxiliary.visible`` says,
+    never a draft; their requested logit rows follow the tree's.
+
+    Returns:
+        ``(tokens [n+A], layout, logit_rows [len(head_nodes)+R])``.
+    """
+    logit_rows = torch.tensor(head_nodes, device=device)
+    if auxiliary is None:
+        return tree.tokens, AttentionLayout(tree.ancestors, tree.depth + start), logit_rows
+    n, a = tree.size, auxiliary.tokens.numel()
+    visible = torch.zeros(n + a, n + a, dtype=torch.bool, device=device)
+    visible[:n, :n] = tree.ancestors
+    visible[n:, 0] = True  # auxiliary tokens see the root, not the drafts
+    visible[n:, n:] = auxiliary.visible
+    tokens = torch.cat([tree.tokens, auxiliary.tokens])
+    positions = torch.cat([tree.depth, auxiliary.positions]) + start
+    return tokens, AttentionLayout(visible, positions), torch.cat([logit_rows, n + auxiliary.logit_rows])
