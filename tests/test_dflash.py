@@ -339,8 +339,8 @@ def test_a_drafter_for_another_target_is_refused(tmp_path):
 
 def test_dflash_recipe_learns_and_validates_on_a_tiny_corpus(tmp_path):
     from specwise.training.corpus import CorpusConfig, build_corpus
-    from specwise.training.dflash_recipe import DFlashRecipe, DFlashRecipeConfig
     from specwise.training.features import FeatureConfig, draft_vocabulary, extract_features, token_frequencies
+    from specwise.training.recipes.dflash import DFlashRecipe, DFlashRecipeConfig
     from specwise.training.trainer import TrainConfig, train
     from test_training import _records
 

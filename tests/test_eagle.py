@@ -375,8 +375,8 @@ def test_replay_by_depth_counts_runs_and_bonus_tokens():
 
 def test_eagle_recipe_learns_and_validates_on_a_tiny_corpus(tmp_path):
     from specwise.training.corpus import CorpusConfig, build_corpus
-    from specwise.training.eagle_recipe import EagleRecipe, EagleRecipeConfig
     from specwise.training.features import FeatureConfig, draft_vocabulary, extract_features, token_frequencies
+    from specwise.training.recipes.eagle import EagleRecipe, EagleRecipeConfig
     from specwise.training.trainer import TrainConfig, train
     from test_training import _records
 
@@ -407,7 +407,7 @@ def test_eagle_recipe_learns_and_validates_on_a_tiny_corpus(tmp_path):
 
 def check_loss_on_generated(corpus, vocab, features, head) -> None:
     """``loss_on="generated"``: no text-only windows, and the loss ignores the prompts' labels."""
-    from specwise.training.eagle_recipe import EagleRecipe, EagleRecipeConfig
+    from specwise.training.recipes.eagle import EagleRecipe, EagleRecipeConfig
 
     config = EagleRecipeConfig(batch_tokens=64, validation_every=3, ttt_steps=2)
     assert config.loss_on == "all"
@@ -443,7 +443,7 @@ def test_unroll_on_selected_rows_equals_the_full_rows():
 
 
 def test_warm_start_loads_a_trained_head_and_refuses_what_does_not_fit(tmp_path):
-    from specwise.training.recipes import warm_start
+    from specwise.training.pipeline import warm_start
 
     target = make_target("llama")
     trained = make_head(target)

@@ -269,7 +269,6 @@ def test_heads_for_another_target_are_refused(tmp_path):
 
 def test_medusa_recipe_learns_calibrates_and_validates(tmp_path):
     from specwise.training.corpus import CorpusConfig, build_corpus
-    from specwise.training.draft_recipe import is_validation
     from specwise.training.features import (
         FeatureConfig,
         draft_vocabulary,
@@ -277,7 +276,8 @@ def test_medusa_recipe_learns_calibrates_and_validates(tmp_path):
         iter_labelled,
         token_frequencies,
     )
-    from specwise.training.medusa_recipe import MedusaRecipe, MedusaRecipeConfig
+    from specwise.training.recipes.draft import is_validation
+    from specwise.training.recipes.medusa import MedusaRecipe, MedusaRecipeConfig
     from specwise.training.trainer import TrainConfig, train
     from test_training import _records
 

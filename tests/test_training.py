@@ -3,6 +3,7 @@ the draft-LM route (greedy equivalence), export to a plain HF model, and the CLI
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -18,14 +19,16 @@ from safetensors.torch import load_file
 import specwise
 from conftest import make_target, random_prompt, reference_greedy
 from specwise.api import load_drafter
+from specwise.cli import build_parser
 from specwise.drafters.checkpoint import DrafterCheckpoint, load_checkpoint, save_checkpoint, target_fingerprint
 from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter, load_draft_lm
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.draft_lm import DraftLM, DraftLMConfig
 from specwise.prompts import PromptRecord, is_held_out
 from specwise.training.acceptance import replay_chain
+from specwise.training.cli import options_from_args
 from specwise.training.corpus import CorpusConfig, build_corpus, iter_corpus
-from specwise.training.draft_recipe import DraftLMRecipe, DraftRecipeConfig
+from specwise.training.distributed import rank0_decides
 from specwise.training.features import (
     FeatureConfig,
     draft_vocabulary,
@@ -34,7 +37,10 @@ from specwise.training.features import (
     token_frequencies,
     vocabulary_coverage,
 )
-from specwise.training.recipes import rank0_decides
+from specwise.training.options import TrainOptions, make_options
+from specwise.training.recipes import RECIPES, get_recipe, recipe_names
+from specwise.training.recipes.base import RecipeRegistry
+from specwise.training.recipes.draft import DraftLMRecipe, DraftRecipeConfig
 from specwise.training.trainer import TrainConfig, join_process_group, learning_rate, train
 
 VOCAB_D = 96  # draft vocabulary of the tiny models (of 128)
@@ -526,3 +532,86 @@ def test_cli_draft_without_a_drafter_uses_the_shipped_one_or_fails_fast(capsys):
     assert "/nonexistent/draft does not exist" in capsys.readouterr().err
     assert main(["generate", "--target", "/nonexistent/model", "--method", "eagle", "hi"]) == 2
     assert "method 'eagle' needs a trained drafter for /nonexistent/model" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- options and registry
+
+#: the defaults `specwise train METHOD` had before the options dataclasses (the commands in the
+#: reports rely on them)
+_FLAG_DEFAULTS = {
+    "draft": {"lr": 5e-4, "batch_tokens": 4096, "draft_vocab_size": 32768, "init_layers": (0, -1), "minutes": 45.0,
+              "borrowed_layers": 0, "loss_on": "all"},
+    "eagle": {"lr": 8e-4, "batch_tokens": 4096, "draft_vocab_size": 16384, "minutes": 45.0, "ttt_steps": 3,
+              "max_length": 1024, "loss_on": "all", "feature_layers": None},
+    "medusa": {"lr": 1e-3, "batch_tokens": 2048, "draft_vocab_size": 16384, "minutes": 30.0, "num_heads": 4,
+               "medusa_layers": 1, "loss_on": "all"},
+    "dflash": {"lr": 8e-4, "batch_tokens": 2048, "draft_vocab_size": 16384, "minutes": 45.0, "block_size": 8,
+               "dflash_layers": 2, "max_length": 1024, "loss_on": "all", "feature_layers": None},
+}
+_COMMON_DEFAULTS = {"steps": None, "grad_accum": 1, "top_k": 8, "validate_every": 100, "seed": 0, "init_from": None,
+                    "precision": "auto"}
+
+
+@pytest.mark.parametrize("method", sorted(_FLAG_DEFAULTS))
+def test_recipe_options_keep_the_cli_defaults_and_every_field_has_help(method):
+    spec = get_recipe(method)
+    options = spec.options_cls()
+    assert dataclasses.asdict(options) == {**_COMMON_DEFAULTS, **_FLAG_DEFAULTS[method]}
+    assert all(f.metadata.get("help") for f in dataclasses.fields(options))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.lr = 1.0
+
+
+def test_recipes_are_discovered_and_the_registry_refuses_duplicates_and_unknown_names():
+    assert recipe_names() == ["dflash", "draft", "eagle", "medusa"]
+    assert get_recipe("eagle").train.__module__ == "specwise.training.recipes.eagle"
+    with pytest.raises(ConfigError, match=r"no training recipe for 'nonsense'; available: dflash, draft, eagle"):
+        get_recipe("nonsense")
+    with pytest.raises(ValueError, match="already registered"):
+        RECIPES.register("eagle", TrainOptions, "again")(lambda job, options: job.out)
+    with pytest.raises(ValueError, match="TrainOptions dataclass"):
+        RecipeRegistry().register("x", dict, "not options")(lambda job, options: job.out)
+
+
+def test_recipe_options_are_validated():
+    with pytest.raises(ConfigError, match="ttt_steps"):
+        get_recipe("eagle").options_cls(ttt_steps=0)
+    with pytest.raises(ConfigError, match="loss_on"):
+        get_recipe("draft").options_cls(loss_on="prompt")
+    with pytest.raises(ConfigError, match="block_size"):
+        get_recipe("dflash").options_cls(block_size=1)
+    with pytest.raises(ConfigError, match="precision"):
+        get_recipe("medusa").options_cls(precision="fp16")
+    with pytest.raises(ConfigError, match="no training option colour"):
+        make_options(get_recipe("medusa").options_cls, {"colour": 1})
+
+
+def _parse_train(*argv):
+    parser = build_parser()
+    return parser.parse_args(["train", *argv, "--data", "c", "--out", "o"])
+
+
+def test_train_flags_are_generated_from_the_options_with_option_key_value():
+    args = _parse_train("eagle", "--lr", "3e-4", "--feature-layers", "2,9,15", "--steps", "5",
+                        "--option", "max_length=512", "--option", "loss-on=generated")
+    options = options_from_args(get_recipe("eagle").options_cls, args)
+    assert (options.lr, options.feature_layers, options.steps, options.max_length, options.loss_on) == \
+        (3e-4, (2, 9, 15), 5, 512, "generated")
+    assert options.ttt_steps == 3 and options.minutes == 45.0  # untouched fields keep their defaults
+    draft = options_from_args(get_recipe("draft").options_cls, _parse_train("draft", "--init-layers=-1"))
+    assert draft.init_layers == (-1,)
+    with pytest.raises(ConfigError, match="given twice"):
+        options_from_args(get_recipe("eagle").options_cls, _parse_train("eagle", "--lr", "1e-3", "--option", "lr=2e-3"))
+    with pytest.raises(ConfigError, match="no training option"):
+        options_from_args(get_recipe("eagle").options_cls, _parse_train("eagle", "--option", "num_heads=3"))
+    with pytest.raises(SystemExit):  # one budget only
+        _parse_train("medusa", "--minutes", "3", "--steps", "4")
+    with pytest.raises(SystemExit):  # a flag of another recipe
+        _parse_train("draft", "--ttt-steps", "2")
+
+
+def test_train_help_shows_each_recipes_flags_and_defaults(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "medusa", "--help"])
+    text = capsys.readouterr().out
+    assert "--num-heads" in text and "--ttt-steps" not in text and "(default: 30.0)" in text

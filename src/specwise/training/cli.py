@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -13,8 +15,10 @@ from specwise.errors import ConfigError, DrafterError
 from specwise.models.export import export_hf
 from specwise.prompts import load_prompts
 from specwise.training.corpus import SHARD_GLOB, CorpusConfig, build_corpus
+from specwise.training.options import format_value, make_options, parse_value
+from specwise.training.pipeline import TrainingJob
 from specwise.training.precision import keep_freed_memory
-from specwise.training.recipes import RECIPES
+from specwise.training.recipes import get_recipe, recipe_names
 
 
 def _say(message: str) -> None:
@@ -67,66 +71,117 @@ def cmd_data_build(args: argparse.Namespace) -> int:
     return 0
 
 
+class _RecipeParsers(argparse._SubParsersAction):
+    """The ``METHOD`` of ``specwise train``: an unknown one gets the registry's error, which lists
+    the recipes there are."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.choices = None  # argparse's own "invalid choice" check would answer first; __call__ checks
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values and values[0] not in self._name_parser_map:
+            try:
+                get_recipe(values[0])
+            except ConfigError as exc:
+                raise argparse.ArgumentError(self, str(exc)) from None
+        super().__call__(parser, namespace, values, option_string)
+
+
 def add_train_args(p: argparse.ArgumentParser, default_target: str) -> None:
-    p.add_argument("method", help="drafter to train: draft, eagle, medusa or dflash")
+    """``specwise train METHOD``: one sub-command per registered recipe, its flags generated from the
+    recipe's options dataclass (:mod:`specwise.training.options`) plus ``--option KEY=VALUE``."""
+    sub = p.add_subparsers(dest="method", metavar="METHOD", required=True, action=_RecipeParsers,
+                           help=f"drafter to train: {', '.join(recipe_names())}")
+    for name in recipe_names():
+        spec = get_recipe(name)
+        parser = sub.add_parser(name, help=spec.summary, description=spec.summary)
+        _add_run_args(parser, default_target)
+        add_option_flags(parser, spec.options_cls)
+        parser.set_defaults(func=cmd_train)
+
+
+def _add_run_args(p: argparse.ArgumentParser, default_target: str) -> None:
+    """The flags of a training run that are not the recipe's options: what to load, read and write."""
     p.add_argument("--target", default=default_target)
     p.add_argument("--data", nargs="+", required=True,
                    help="a corpus directory (from `specwise data build`), or prompt JSONL files to build one from")
     p.add_argument("--out", required=True, help="output drafter directory (resumes when it holds a trainer state)")
-    budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--minutes", type=float, default=None, help="training time budget (default 45)")
-    budget.add_argument("--steps", type=int, default=None, help="optimizer steps instead of a time budget")
     p.add_argument("--corpus-minutes", type=float, default=10.0, help="generation budget when --data are prompt files")
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--draft-vocab-size", type=int, default=None)
-    p.add_argument("--init-layers", default=None, help="draft: target layers its own layers start from, e.g. 0,-1")
-    p.add_argument("--borrowed-layers", type=int, default=None,
-                   help="draft: run the target's first N layers first (frozen, not stored)")
-    p.add_argument("--feature-layers", default=None,
-                   help="eagle, dflash: target hidden_states indices to fuse, e.g. 2,9,15 (default: low, middle, high)")
-    p.add_argument("--ttt-steps", type=int, default=None, help="eagle: draft steps unrolled in training (default 3)")
-    p.add_argument("--max-length", type=int, default=None, help="eagle, dflash: longest training window (default 1024)")
-    p.add_argument("--loss-on", choices=("generated", "all"), default=None,
-                   help="positions with a loss: every position ('all', the default) or those predicting tokens the "
-                        "target wrote ('generated')")
-    p.add_argument("--num-heads", type=int, default=None, help="medusa: heads trained (default 4)")
-    p.add_argument("--medusa-layers", type=int, default=None, help="medusa: residual blocks per head (default 1)")
-    p.add_argument("--block-size", type=int, default=None, help="dflash: tokens per block, anchor included (default 8)")
-    p.add_argument("--dflash-layers", type=int, default=None, help="dflash: draft transformer layers (default 2)")
-    p.add_argument("--top-k", type=int, default=8, help="target log-probs kept per position")
-    p.add_argument("--validate-every", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--init-from", default=None, metavar="DIR",
-                   help="start from the weights of this trained drafter (same method, architecture and corpus "
-                        "vocabulary); the optimizer and schedule start afresh")
-    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                   help="matmul precision of the drafter's training: bf16 autocast, fp32, or auto (whichever runs "
-                        "a training-sized matmul faster here; fp32 on CPUs without fast bf16 units)")
     p.add_argument("--dtype", default="bfloat16", help="dtype the target runs in")
     p.add_argument("--device", default=None)
-    p.set_defaults(func=cmd_train)
+
+
+#: where the generated flags keep their values in the parsed arguments (apart from the run's own)
+_OPTION_DEST = "option__"
+
+
+def add_option_flags(p: argparse.ArgumentParser, options_cls: type) -> None:
+    """One ``--kebab-name`` flag per field of ``options_cls`` (help, choices and default from the
+    field), flags sharing an ``exclusive`` group made mutually exclusive, and ``--option KEY=VALUE``."""
+    groups: dict[str, argparse._MutuallyExclusiveGroup] = {}
+    for field in dataclasses.fields(options_cls):
+        meta = field.metadata
+        where = p
+        if "exclusive" in meta:
+            if meta["exclusive"] not in groups:
+                groups[meta["exclusive"]] = p.add_mutually_exclusive_group()
+            where = groups[meta["exclusive"]]
+        shown = "none" if field.default is None else format_value(field.default)
+        metavar = meta.get("metavar") or (None if "choices" in meta else field.name.upper())
+        where.add_argument("--" + field.name.replace("_", "-"), dest=_OPTION_DEST + field.name,
+                           default=argparse.SUPPRESS, choices=meta.get("choices"), metavar=metavar,
+                           type=functools.partial(_flag_value, options_cls, field.name),
+                           help=f"{meta.get('help', '')} (default: {shown})")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="set any option of this recipe by its name, e.g. --option lr=3e-4 (repeatable)")
+
+
+def _flag_value(options_cls: type, name: str, text: str):
+    try:
+        return parse_value(options_cls, name, text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def options_from_args(options_cls: type, args: argparse.Namespace):
+    """The recipe options given by the generated flags and ``--option KEY=VALUE``, over the defaults.
+
+    Raises:
+        ConfigError: a malformed ``--option``, an unknown key, a key also given as a flag, or a
+            value out of range.
+    """
+    values = {k[len(_OPTION_DEST):]: v for k, v in vars(args).items() if k.startswith(_OPTION_DEST)}
+    for item in getattr(args, "option", None) or []:
+        key, sep, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ConfigError(f"--option takes KEY=VALUE, got {item!r}.")
+        if key in values:
+            raise ConfigError(f"option {key} is given twice (a flag and --option, or --option twice).")
+        if key not in {f.name for f in dataclasses.fields(options_cls)}:
+            make_options(options_cls, {key: text})  # raises, listing the options
+        values[key] = parse_value(options_cls, key, text)
+    return make_options(options_cls, values)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
 
-    if args.method not in RECIPES:
-        raise ConfigError(f"no training recipe for {args.method!r}; available: {', '.join(RECIPES)}.")
-    if args.init_from:  # fail before any features pass; the weights are checked in full later
-
-        found = read_config(args.init_from).get("method")
-        if found != args.method:
-            raise DrafterError(f"--init-from {args.init_from} holds a {found!r} drafter, not a {args.method!r} one.")
+    spec = get_recipe(args.method)
+    options = options_from_args(spec.options_cls, args)
+    if options.init_from:  # fail before any features pass; the weights are checked in full later
+        found = read_config(options.init_from).get("method")
+        if found != spec.name:
+            raise DrafterError(f"--init-from {options.init_from} holds a {found!r} drafter, not a {spec.name!r} one.")
     keep_freed_memory()  # this process trains: reuse big freed blocks instead of page-faulting new ones
     target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_say)
-    corpus = _corpus_from(args, target)
-    out = RECIPES[args.method](target, corpus, Path(args.out), args, _say)
+    corpus = _corpus_from(args, options.seed, target)
+    out = spec.train(TrainingJob(spec.name, target, corpus, Path(args.out), _say), options)
     _say(f"drafter written to {out}")
     return 0
 
 
-def _corpus_from(args: argparse.Namespace, target) -> Path:
+def _corpus_from(args: argparse.Namespace, seed: int, target) -> Path:
 
     corpora = [Path(p) for p in args.data if Path(p).is_dir() and any(Path(p).glob(SHARD_GLOB))]
     if len(corpora) > 1:
@@ -134,7 +189,7 @@ def _corpus_from(args: argparse.Namespace, target) -> Path:
     if corpora:
         return corpora[0]
     records = load_prompts(_expand(args.data))
-    return build_corpus(target, records, Path(args.out) / "corpus", CorpusConfig(seed=args.seed),
+    return build_corpus(target, records, Path(args.out) / "corpus", CorpusConfig(seed=seed),
                         minutes=args.corpus_minutes, progress=_say)
 
 

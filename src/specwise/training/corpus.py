@@ -2,8 +2,8 @@
 
 Drafters learn the target's own distribution, so their training text should be the target's own
 output (Medusa-2 and EAGLE both regenerate their data with the target for this reason). Batched
-generation is what this machine can afford (ARCHITECTURE.md §6: ~100-117 tok/s at batch 8-32 in
-bf16), so the corpus mixes two kinds of sequence:
+generation is what a CPU can afford (its throughput on the reference machine is in
+docs/notes/train.md), so the corpus mixes two kinds of sequence:
 
 * **continued** prompts: the prompt plus ``new_tokens`` tokens the target wrote (greedy or sampled,
   mixed batch by batch);
@@ -121,22 +121,10 @@ def build_corpus(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda message: None)
-    record_path = out / "corpus.json"  # every build (and resume) of this corpus, in order
-    history = json.loads(record_path.read_text()) if record_path.exists() else {"target": target.name, "builds": []}
-    history.setdefault("builds", []).append({**asdict(config), "minutes": minutes})
-    record_path.write_text(json.dumps(history, indent=1))
+    _record_build(out, target, config, minutes)
     done = {seq_id for seq_id in _shard_ids(out)}
-    usable = [r for r in interleave_categories(records, config.seed) if not is_held_out(r)]
-    if not usable:
-        raise ConfigError("no training prompts left after removing the held-out split.")
-    # text-only prompts come from the end of the dealt order, continued ones from the start
-    n_text = min(config.text_only_prompts, len(usable))
-    text_only = usable[len(usable) - n_text:]
-    continued = usable[: len(usable) - n_text]
-    if config.continued_prompts is not None:
-        continued = continued[: config.continued_prompts]
+    text_only, continued = _split_prompts(records, config)
     shard_index = len(list(out.glob(SHARD_GLOB)))
-
     todo_text = [r for r in text_only if r.id not in done]
     if todo_text:
         seqs = []
@@ -147,8 +135,39 @@ def build_corpus(
         _write_shard(out / f"shard-{shard_index:05d}.safetensors", seqs)
         shard_index += 1
         say(f"text-only: {len(seqs)} prompts stored")
+    batches = _prompt_batches(target, [r for r in continued if r.id not in done], config)
+    _generate_batches(target, batches, out, shard_index, config, minutes, say)
+    return out
 
-    todo = [r for r in continued if r.id not in done]
+
+def _record_build(out: Path, target, config: CorpusConfig, minutes: float | None) -> None:
+    """Append this build's settings to ``corpus.json`` (every build and resume of a corpus, in order)."""
+    record_path = out / "corpus.json"
+    history = json.loads(record_path.read_text()) if record_path.exists() else {"target": target.name, "builds": []}
+    history.setdefault("builds", []).append({**asdict(config), "minutes": minutes})
+    record_path.write_text(json.dumps(history, indent=1))
+
+
+def _split_prompts(records: list[PromptRecord], config: CorpusConfig) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """``(text-only, continued)`` training prompts, held-out ones removed.
+
+    Raises:
+        ConfigError: no prompts left after removing the held-out split.
+    """
+    usable = [r for r in interleave_categories(records, config.seed) if not is_held_out(r)]
+    if not usable:
+        raise ConfigError("no training prompts left after removing the held-out split.")
+    # text-only prompts come from the end of the dealt order, continued ones from the start
+    n_text = min(config.text_only_prompts, len(usable))
+    text_only = usable[len(usable) - n_text:]
+    continued = usable[: len(usable) - n_text]
+    if config.continued_prompts is not None:
+        continued = continued[: config.continued_prompts]
+    return text_only, continued
+
+
+def _prompt_batches(target, todo: list[PromptRecord], config: CorpusConfig) -> list[list]:
+    """Generation batches of ``(record, prompt ids)``, prompts over ``max_prompt_tokens`` skipped."""
     encoded = []
     for record in todo:
         ids = target.encode(record.prompt).cpu()
@@ -161,6 +180,13 @@ def build_corpus(
     for start in range(0, len(encoded), window):
         chunk = sorted(encoded[start: start + window], key=lambda item: item[1].numel())
         batches += [chunk[i: i + config.batch_size] for i in range(0, len(chunk), config.batch_size)]
+    return batches
+
+
+def _generate_batches(target, batches: list[list], out: Path, shard_index: int, config: CorpusConfig,
+                      minutes: float | None, say: Callable[[str], None]) -> None:
+    """Continue each batch (greedy, or sampled for ``sampled_fraction`` of them) into its own shard,
+    from ``shard-<shard_index>`` on, stopping after about ``minutes``."""
     rng = random.Random(config.seed + shard_index)
     started = time.perf_counter()
     generated = 0
@@ -178,7 +204,6 @@ def build_corpus(
         if minutes is not None and elapsed > minutes * 60:
             say(f"stopping after {elapsed / 60:.1f} min (--minutes); run again to resume")
             break
-    return out
 
 
 @torch.inference_mode()
@@ -216,8 +241,9 @@ def _generate_batch(target, batch, config: CorpusConfig, sampled: bool, seed: in
 
 class GumbelMaxSampler(LogitsProcessor):
     """Temperature sampling through greedy search: ``argmax(scores / T + Gumbel noise)`` is an exact
-    draw from ``softmax(scores / T)`` (the Gumbel-max trick). Measured here at batch 16: 108 tok/s,
-    against 42 tok/s for HF's own sampling path (with top-p 0.95) at the 262k vocabulary."""
+    draw from ``softmax(scores / T)`` (the Gumbel-max trick). It keeps sampled batches on HF's
+    greedy path, which is much faster than HF's own sampling path (top-p sorts the whole
+    vocabulary every step); the timing is in docs/notes/train.md."""
 
     def __init__(self, temperature: float, generator: torch.Generator) -> None:
         self.temperature = temperature

@@ -108,6 +108,32 @@ def extract_features(
     where = Path(features_dir) if features_dir is not None else corpus
     where.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda message: None)
+    _claim(where, vocab, config)
+    model = target.model.get_decoder()
+    head = target.model.get_output_embeddings().weight[vocab.to(target.device)]  # shape: [Vd, H]
+    shards = sorted(corpus.glob(SHARD_GLOB))
+    started, done_tokens = time.perf_counter(), 0
+    for number, shard in enumerate(shards):
+        out_path = where / shard.name.replace("shard-", "features-")
+        if out_path.exists():
+            continue
+        tensors, tokens = _label_shard(target, model, head, vocab, read_shard(shard), config)
+        done_tokens += tokens
+        tmp = out_path.with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        tmp.rename(out_path)
+        elapsed = time.perf_counter() - started
+        rate = done_tokens / max(elapsed, 1e-9)
+        say(f"features {number + 1}/{len(shards)}  {done_tokens} tokens  {rate:.0f} tok/s  elapsed {elapsed / 60:.1f} min")
+    return where
+
+
+def _claim(where: Path, vocab: torch.Tensor, config: FeatureConfig) -> None:
+    """Record the features' settings and vocabulary in ``where``, or check those already there.
+
+    Raises:
+        ConfigError: ``where`` holds features made with another vocabulary or settings.
+    """
     meta = {"top_k": config.top_k, "hidden_layers": list(config.hidden_layers), "vocab_size": int(vocab.numel())}
     meta_path = where / "features.json"
     vocab_path = where / "draft_vocab.safetensors"
@@ -118,49 +144,42 @@ def extract_features(
             raise ConfigError(f"{where} already has features with other settings ({old}); delete features-* to redo them.")
     save_file({"vocab": vocab.cpu().contiguous()}, str(vocab_path))
     meta_path.write_text(json.dumps(meta))
-    model = target.model.get_decoder()
-    head = target.model.get_output_embeddings().weight[vocab.to(target.device)]  # shape: [Vd, H]
-    shards = sorted(corpus.glob(SHARD_GLOB))
-    started, done_tokens = time.perf_counter(), 0
-    for number, shard in enumerate(shards):
-        out_path = where / shard.name.replace("shard-", "features-")
-        if out_path.exists():
-            continue
-        seqs = read_shard(shard)
-        total = sum(s.tokens.numel() for s in seqs)
-        top_ids = torch.zeros((total, config.top_k), dtype=torch.int32)
-        top_logprobs = torch.zeros((total, config.top_k), dtype=torch.bfloat16)
-        hidden = {i: torch.zeros((total, model.config.hidden_size), dtype=torch.bfloat16) for i in config.hidden_layers}
-        offsets = torch.tensor([0] + [s.tokens.numel() for s in seqs]).cumsum(0).tolist()
-        order = sorted(range(len(seqs)), key=lambda i: seqs[i].tokens.numel())
-        for group in _length_groups(order, seqs, config):
-            width = min(max(seqs[i].tokens.numel() for i in group), config.max_length)
-            ids = torch.zeros((len(group), width), dtype=torch.long)
-            for row, i in enumerate(group):
-                n = min(seqs[i].tokens.numel(), width)
-                ids[row, :n] = seqs[i].tokens[:n]
-            out = model(input_ids=ids.to(target.device), use_cache=False,
-                        output_hidden_states=bool(config.hidden_layers))
-            for row, i in enumerate(group):
-                n = min(seqs[i].tokens.numel(), width)
-                start = offsets[i]
-                logits = out.last_hidden_state[row, :n] @ head.T  # shape: [n, Vd]
-                logprobs = torch.log_softmax(logits.float(), dim=-1)
-                values, index = logprobs.topk(config.top_k, dim=-1)
-                top_ids[start: start + n] = vocab[index.cpu()].to(torch.int32)
-                top_logprobs[start: start + n] = values.cpu().to(torch.bfloat16)
-                for layer in config.hidden_layers:
-                    hidden[layer][start: start + n] = out.hidden_states[layer][row, :n].cpu().to(torch.bfloat16)
-            done_tokens += int(ids.numel())
-        tensors = {"top_ids": top_ids, "top_logprobs": top_logprobs,
-                   **{f"hidden_{i}": h for i, h in hidden.items()}}
-        tmp = out_path.with_suffix(".tmp")
-        save_file(tensors, str(tmp))
-        tmp.rename(out_path)
-        elapsed = time.perf_counter() - started
-        rate = done_tokens / max(elapsed, 1e-9)
-        say(f"features {number + 1}/{len(shards)}  {done_tokens} tokens  {rate:.0f} tok/s  elapsed {elapsed / 60:.1f} min")
-    return where
+
+
+def _label_shard(target, model, head: torch.Tensor, vocab: torch.Tensor, seqs: list,
+                 config: FeatureConfig) -> tuple[dict[str, torch.Tensor], int]:
+    """The features of one shard's sequences, flat over their tokens, and the padded tokens run.
+
+    ``model`` is the target's decoder and ``head`` ``[Vd, H]`` its LM head's draft-vocabulary rows.
+    """
+    total = sum(s.tokens.numel() for s in seqs)
+    top_ids = torch.zeros((total, config.top_k), dtype=torch.int32)
+    top_logprobs = torch.zeros((total, config.top_k), dtype=torch.bfloat16)
+    hidden = {i: torch.zeros((total, model.config.hidden_size), dtype=torch.bfloat16) for i in config.hidden_layers}
+    offsets = torch.tensor([0] + [s.tokens.numel() for s in seqs]).cumsum(0).tolist()
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i].tokens.numel())
+    done_tokens = 0
+    for group in _length_groups(order, seqs, config):
+        width = min(max(seqs[i].tokens.numel() for i in group), config.max_length)
+        ids = torch.zeros((len(group), width), dtype=torch.long)
+        for row, i in enumerate(group):
+            n = min(seqs[i].tokens.numel(), width)
+            ids[row, :n] = seqs[i].tokens[:n]
+        out = model(input_ids=ids.to(target.device), use_cache=False,
+                    output_hidden_states=bool(config.hidden_layers))
+        for row, i in enumerate(group):
+            n = min(seqs[i].tokens.numel(), width)
+            start = offsets[i]
+            logits = out.last_hidden_state[row, :n] @ head.T  # shape: [n, Vd]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            values, index = logprobs.topk(config.top_k, dim=-1)
+            top_ids[start: start + n] = vocab[index.cpu()].to(torch.int32)
+            top_logprobs[start: start + n] = values.cpu().to(torch.bfloat16)
+            for layer in config.hidden_layers:
+                hidden[layer][start: start + n] = out.hidden_states[layer][row, :n].cpu().to(torch.bfloat16)
+        done_tokens += int(ids.numel())
+    tensors = {"top_ids": top_ids, "top_logprobs": top_logprobs, **{f"hidden_{i}": h for i, h in hidden.items()}}
+    return tensors, done_tokens
 
 
 def _length_groups(order: list[int], seqs, config: FeatureConfig):

@@ -1,16 +1,16 @@
 """How a training process computes: the matmul precision it trains in, and how it keeps freed memory.
 
-Both are measured choices, not assumptions. On the 2-core Xeon the shipped drafters were trained
-on (AVX-512 with bf16, no AMX), a 4096 x 640 x 2048 matmul runs at 260-320 GFLOP/s in fp32 and
-~165 in bf16, so EAGLE trained at 492 tokens/s under bf16 autocast against 754 in fp32. On CPUs
-with fast bf16 units (AMX, or cores where bf16 dot products issue at twice the fp32 rate) the
-order flips. ``auto`` times both on the machine at hand.
+Both are measured choices, not assumptions. On a CPU whose bf16 matmuls are slower than its fp32
+ones (AVX-512 with bf16 but no AMX, like the machine the shipped drafters were trained on), bf16
+autocast makes training slower; on CPUs with fast bf16 units (AMX, or cores where bf16 dot products
+issue at twice the fp32 rate) and on GPUs the order flips. ``auto`` times both on the machine at
+hand. The measurements are in docs/training.md and docs/notes/train.md.
 
-Training allocates large short-lived tensors (logits over the draft vocabulary: ~250 MB a
-micro-batch). glibc serves blocks above 32 MB with ``mmap`` and returns them on free, so each new
-one page-faults again: on the same machine that made a 16,384-wide ``log_softmax`` cost 80-520 ms
-instead of 35 ms, and EAGLE training ran at 484 instead of 754 tokens/s (fp32).
-:func:`keep_freed_memory` makes the process reuse its freed memory instead.
+Training allocates large short-lived tensors (the logits over the draft vocabulary, every
+micro-batch). glibc serves big blocks with ``mmap`` and returns them on free, so each new one
+page-faults again, which made ``log_softmax`` over the draft vocabulary several times slower and
+training markedly slower (same notes). :func:`keep_freed_memory` makes the process reuse its freed
+memory instead.
 """
 
 from __future__ import annotations

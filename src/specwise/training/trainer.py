@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
 import time
 from abc import ABC, abstractmethod
@@ -30,6 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 from specwise.errors import ConfigError
+from specwise.training.distributed import join_process_group
 
 STATE_NAME = "trainer_state.pt"
 LOG_NAME = "train_log.jsonl"
@@ -102,14 +102,37 @@ def learning_rate(step: int, total: int, config: TrainConfig) -> float:
     return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def join_process_group() -> tuple[int, int]:
-    """``(rank, world size)``; under torchrun (``WORLD_SIZE`` > 1) joins the gloo group first."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+@dataclass
+class _Run:
+    """The working state of one :func:`train` call (rank 0 alone keeps the curve and writes files)."""
+
+    model: nn.Module
+    wrapped: nn.Module  # the model, or its DDP wrapper
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    out: Path
+    rank: int
+    world: int
+    autocast: Any  # bf16 autocast or a null context
+    progress: dict[str, Any]  # saved with the state: step, epoch, cursor, total, tokens, seconds
+    curve: list[dict[str, Any]]
+    bar: Any = None
+    started: float = 0.0
+    window_tokens: int = 0  # tokens since the last log row (its tokens/s)
+    window_start: float = 0.0
+
+    @property
+    def state_path(self) -> Path:
+        return self.out / STATE_NAME
+
+    def finished(self) -> bool:
+        return self.progress["total"] is not None and self.progress["step"] >= self.progress["total"]
+
+    def save(self) -> None:
+        """Write the resumable state (rank 0), with the wall time so far."""
+        self.progress["seconds"] = time.perf_counter() - self.started
+        if self.rank == 0:
+            _save_state(self.state_path, self.model, self.optimizer, self.progress)
 
 
 def train(model: nn.Module, recipe: Recipe, config: TrainConfig, out_dir: str | Path,
@@ -133,6 +156,41 @@ def train(model: nn.Module, recipe: Recipe, config: TrainConfig, out_dir: str | 
         ConfigError: the recipe yields no batches, or the model has nothing to train.
     """
 
+    run = _start(model, config, out_dir)
+    data = _micro_batches(recipe, config.seed, run.rank, run.world, run.progress)
+    run.bar = tqdm(total=run.progress["total"], initial=run.progress["step"], disable=not progress or run.rank != 0,
+                   desc="train", unit="step", dynamic_ncols=True)
+    model.train()
+    run.started = time.perf_counter() - run.progress["seconds"]
+    run.window_start = time.perf_counter()
+    steps_this_call = 0
+    while not run.finished():
+        if pause_after is not None and steps_this_call >= pause_after:
+            run.save()
+            run.bar.close()
+            return TrainResult(run.progress["step"], run.progress["seconds"], run.progress["tokens"], run.curve, {})
+        steps_this_call += 1
+        step_loss, lr, grad_norm = _step(run, recipe, config, data)
+        done = run.progress["step"] == run.progress["total"]
+        if run.rank == 0 and (run.progress["step"] % config.log_every == 0 or done):
+            _log(run, recipe, config, {"loss": round(step_loss, 5), "lr": lr, "grad_norm": round(grad_norm, 4)}, done)
+        if run.progress["step"] % config.checkpoint_every == 0 or done:
+            run.save()
+    run.bar.close()
+    validation: dict[str, Any] = {}
+    if run.rank == 0:
+        validation = _validate(recipe, model, run.autocast)
+        _append_log(run.out, {"step": run.progress["step"], "final_validation": validation})
+    return TrainResult(run.progress["step"], time.perf_counter() - run.started, run.progress["tokens"], run.curve,
+                       validation)
+
+
+def _start(model: nn.Module, config: TrainConfig, out_dir: str | Path) -> _Run:
+    """Seed, build the optimizer (and the DDP wrapper), and resume from ``out_dir``'s state if there is one.
+
+    Raises:
+        ConfigError: the model has no trainable parameters.
+    """
     rank, world = join_process_group()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,82 +202,75 @@ def train(model: nn.Module, recipe: Recipe, config: TrainConfig, out_dir: str | 
     wrapped = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     state = {"step": 0, "epoch": 0, "cursor": 0, "total": config.steps, "tokens": 0, "seconds": 0.0}
-    state_path = out / STATE_NAME
-    if state_path.exists():
-        saved = torch.load(state_path, map_location="cpu", weights_only=False)
-        model.load_state_dict(saved["model"], strict=False)
-        optimizer.load_state_dict(saved["optimizer"])
-        torch.set_rng_state(saved["torch_rng"])
-        random.setstate(saved["python_rng"])
-        state.update(saved["progress"])
-    curve = _read_log(out / LOG_NAME) if rank == 0 else []
-    data = _micro_batches(recipe, config.seed, rank, world, state)
+    _resume(out / STATE_NAME, model, optimizer, state)
     autocast = torch.autocast(device_type=params[0].device.type, dtype=torch.bfloat16) if config.bf16 \
         else contextlib.nullcontext()
-    bar = tqdm(total=state["total"], initial=state["step"], disable=not progress or rank != 0,
-               desc="train", unit="step", dynamic_ncols=True)
-    model.train()
-    started = time.perf_counter() - state["seconds"]
-    window_tokens, window_start = 0, time.perf_counter()
-    validation: dict[str, Any] = {}
-    steps_this_call = 0
-    while state["total"] is None or state["step"] < state["total"]:
-        if pause_after is not None and steps_this_call >= pause_after:
-            state["seconds"] = time.perf_counter() - started
-            if rank == 0:
-                _save_state(state_path, model, optimizer, state)
-            bar.close()
-            return TrainResult(state["step"], state["seconds"], state["tokens"], curve, {})
-        steps_this_call += 1
-        step_start = time.perf_counter()
-        lr = learning_rate(state["step"], state["total"] or 10 ** 9, config)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        step_loss, step_tokens = 0.0, 0
-        for micro in range(config.grad_accum):
-            batch = next(data)
-            sync = contextlib.nullcontext() if world == 1 or micro == config.grad_accum - 1 else wrapped.no_sync()
-            with sync, autocast:
-                loss, tokens = recipe.loss(wrapped, batch)
-            (loss / config.grad_accum).backward()
-            step_loss += float(loss.detach()) / config.grad_accum
-            step_tokens += tokens
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip)) if config.grad_clip else 0.0
-        optimizer.step()
-        state["step"] += 1
-        state["tokens"] += step_tokens * world
-        window_tokens += step_tokens * world
-        if config.minutes is not None and state["step"] >= config.calibrate_steps and (
-                state["total"] is None or state["step"] % config.log_every == 0):
-            # re-estimated from the whole run's pace at every log interval, so a slow stretch after
-            # a fast start cannot overrun the budget; the cosine follows the estimate smoothly
-            state["total"] = _budget_steps(config, state, time.perf_counter() - started)
-            bar.total = state["total"]
-        bar.update(1)
-        bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{step_tokens * world / (time.perf_counter() - step_start):.0f}")
-        done = state["step"] == state["total"]
-        if rank == 0 and (state["step"] % config.log_every == 0 or done):
-            now = time.perf_counter()
-            row = {"step": state["step"], "loss": round(step_loss, 5), "lr": lr, "grad_norm": round(grad_norm, 4),
-                   "tokens": state["tokens"], "elapsed_s": round(now - started, 1),
-                   "tokens_per_s": round(window_tokens / max(now - window_start, 1e-9), 1)}
-            window_tokens, window_start = 0, now
-            if config.validate_every and state["step"] % config.validate_every == 0 and not done:
-                row["validation"] = _validate(recipe, model, autocast)
-            curve.append(row)
-            with (out / LOG_NAME).open("a") as fh:
-                fh.write(json.dumps(row) + "\n")
-        if state["step"] % config.checkpoint_every == 0 or done:
-            state["seconds"] = time.perf_counter() - started
-            if rank == 0:
-                _save_state(state_path, model, optimizer, state)
-    bar.close()
-    if rank == 0:
-        validation = _validate(recipe, model, autocast)
-        with (out / LOG_NAME).open("a") as fh:
-            fh.write(json.dumps({"step": state["step"], "final_validation": validation}) + "\n")
-    return TrainResult(state["step"], time.perf_counter() - started, state["tokens"], curve, validation)
+    curve = _read_log(out / LOG_NAME) if rank == 0 else []
+    return _Run(model, wrapped, params, optimizer, out, rank, world, autocast, state, curve)
+
+
+def _resume(path: Path, model: nn.Module, optimizer, state: dict) -> None:
+    """Restore the trainable weights, optimizer, RNG states and progress saved at ``path``, if any."""
+    if not path.exists():
+        return
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(saved["model"], strict=False)
+    optimizer.load_state_dict(saved["optimizer"])
+    torch.set_rng_state(saved["torch_rng"])
+    random.setstate(saved["python_rng"])
+    state.update(saved["progress"])
+
+
+def _step(run: _Run, recipe: Recipe, config: TrainConfig, data: Iterator[Any]) -> tuple[float, float, float]:
+    """One optimizer step over ``grad_accum`` micro-batches. Returns ``(mean loss, lr, grad norm)``."""
+    state, world = run.progress, run.world
+    step_start = time.perf_counter()
+    lr = learning_rate(state["step"], state["total"] or 10 ** 9, config)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.optimizer.zero_grad(set_to_none=True)
+    step_loss, step_tokens = 0.0, 0
+    for micro in range(config.grad_accum):
+        batch = next(data)
+        last = world == 1 or micro == config.grad_accum - 1
+        with (contextlib.nullcontext() if last else run.wrapped.no_sync()), run.autocast:
+            loss, tokens = recipe.loss(run.wrapped, batch)
+        (loss / config.grad_accum).backward()
+        step_loss += float(loss.detach()) / config.grad_accum
+        step_tokens += tokens
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, config.grad_clip)) if config.grad_clip else 0.0
+    run.optimizer.step()
+    state["step"] += 1
+    state["tokens"] += step_tokens * world
+    run.window_tokens += step_tokens * world
+    if config.minutes is not None and state["step"] >= config.calibrate_steps and (
+            state["total"] is None or state["step"] % config.log_every == 0):
+        # re-estimated from the whole run's pace at every log interval, so a slow stretch after
+        # a fast start cannot overrun the budget; the cosine follows the estimate smoothly
+        state["total"] = _budget_steps(config, state, time.perf_counter() - run.started)
+        run.bar.total = state["total"]
+    run.bar.update(1)
+    run.bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{step_tokens * world / (time.perf_counter() - step_start):.0f}")
+    return step_loss, lr, grad_norm
+
+
+def _log(run: _Run, recipe: Recipe, config: TrainConfig, measured: dict[str, Any], done: bool) -> None:
+    """Append a row (step, ``measured``, tokens, time, tokens/s since the last row, and a validation
+    every ``validate_every`` steps) to the curve and the log file."""
+    now = time.perf_counter()
+    step = run.progress["step"]
+    row = {"step": step, **measured, "tokens": run.progress["tokens"], "elapsed_s": round(now - run.started, 1),
+           "tokens_per_s": round(run.window_tokens / max(now - run.window_start, 1e-9), 1)}
+    run.window_tokens, run.window_start = 0, now
+    if config.validate_every and step % config.validate_every == 0 and not done:
+        row["validation"] = _validate(recipe, run.model, run.autocast)
+    run.curve.append(row)
+    _append_log(run.out, row)
+
+
+def _append_log(out: Path, row: dict[str, Any]) -> None:
+    with (out / LOG_NAME).open("a") as fh:
+        fh.write(json.dumps(row) + "\n")
 
 
 def _validate(recipe: Recipe, model: nn.Module, autocast) -> dict[str, Any]:

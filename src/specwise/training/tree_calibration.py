@@ -23,7 +23,7 @@ def calibrate_tree(heads, recipe, target, say: Callable[[str], None]) -> dict:
 
     Args:
         heads: trained :class:`specwise.models.medusa.MedusaHeads` (any dtype).
-        recipe: the :class:`specwise.training.medusa_recipe.MedusaRecipe` (its greedy calibration text).
+        recipe: the :class:`specwise.training.recipes.medusa.MedusaRecipe` (its greedy calibration text).
         target: the target, to time verification forwards and the heads on.
         say: progress lines.
 

@@ -12,6 +12,9 @@ draft, so early entries matter more.
 Validation replays greedy decoding on held-out target-written text: a block's drafts depend only on
 the context and the anchor, so drafting at every root at once and replaying the chain gives the
 exact acceptance by block position and τ.
+
+``specwise train dflash`` (:func:`train_dflash`, options :class:`DFlashOptions`) writes the
+checkpoint; its features are EAGLE's when the feature layers are the same.
 """
 
 from __future__ import annotations
@@ -19,13 +22,18 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from specwise.errors import ConfigError
-from specwise.training.acceptance import ChainAcceptance, replay_depths
-from specwise.training.draft_recipe import DraftLMRecipe, DraftRecipeConfig
+from specwise.models.dflash import DFlashConfig, DFlashModel
+from specwise.training.options import check_int, default_of, option, redefault
+from specwise.training.pipeline import TrainingJob, TrainingPlan, train_and_save
+from specwise.training.recipes.base import register_recipe
+from specwise.training.recipes.draft import DraftRecipeConfig
+from specwise.training.recipes.tapped import TappedOptions, TappedRecipe, describe_data, tapped_features
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,7 @@ class DFlashRecipeConfig(DraftRecipeConfig):
             raise ConfigError("block_size must be >= 2 and decay_gamma > 0.")
 
 
-class DFlashRecipe(DraftLMRecipe):
+class DFlashRecipe(TappedRecipe):
     """Block-diffusion training of a DFlash drafter.
 
     Args:
@@ -60,12 +68,16 @@ class DFlashRecipe(DraftLMRecipe):
 
     def __init__(self, corpus_dir, vocab: torch.Tensor, hidden_layers: tuple[int, ...],
                  config: DFlashRecipeConfig = DFlashRecipeConfig(), features_dir=None) -> None:
-        super().__init__(corpus_dir, vocab, config, hidden_layers, features_dir)
+        super().__init__(corpus_dir, vocab, hidden_layers, config, features_dir)
         self.config: DFlashRecipeConfig = config
         # an anchor needs context before it and a label after it
         self.windows = [w for w in self.windows if self._first_anchor(w) < w[2] - 1]
         if not self.windows:
             raise ConfigError(f"{corpus_dir} has no windows with room for a block.")
+
+    @property
+    def validation_depth(self) -> int:
+        return self.config.block_size - 1
 
     def _first_anchor(self, window: tuple[int, int, int]) -> int:
         """The earliest anchor (window index) of a window: 1, or with ``loss_on="generated"`` the
@@ -121,33 +133,63 @@ class DFlashRecipe(DraftLMRecipe):
         weighted = mask.to(device) * weights
         return (per_entry * weighted).sum() / weighted.sum().clamp_min(1e-9), sum(length for _, _, length in group)
 
-    @torch.no_grad()
-    def validate(self, model: nn.Module) -> dict:
-        """Replayed greedy decoding on held-out target-written text (acceptance by block position, τ),
-        and the first draft's agreement with the target's top-1."""
-        if not self.validation_examples:
-            return {}
+    def replay(self, model: nn.Module, ex, device) -> tuple[torch.Tensor, int, int] | None:
+        """Draft a block at every generated token of one held-out text and match root r's entry j
+        against the text."""
         drafts_per_block = self.config.block_size - 1
-        stats = ChainAcceptance(drafts_per_block)
-        agree_total, positions = 0, 0
-        device = next(model.parameters()).device
-        for ex in self.validation_examples:
-            length = min(ex.tokens.numel(), self.config.max_length)
-            p = ex.prompt_length
-            if p < 1 or length - p < 2:
-                continue
-            anchors = torch.arange(p, length)  # every generated token as a root
-            features, tokens = ex.hidden[None, :length].to(device), ex.tokens[None, :length].to(device)
-            drafts = torch.cat([self.vocab[model(features, tokens, chunk[None].to(device))[0].argmax(-1).cpu()]
-                                for chunk in anchors.split(64)])  # shape: [R, B-1]
-            roots = anchors.numel()
-            matches = torch.zeros(roots, drafts_per_block, dtype=torch.bool)
-            for j in range(drafts_per_block):
-                later = anchors + j + 1
-                ok = later < length
-                matches[ok, j] = drafts[ok, j] == ex.tokens[later[ok]]
-            first_ok = anchors + 1 < length
-            agree_total += int((drafts[first_ok, 0] == self.vocab[ex.top_index[anchors[first_ok], 0]]).sum())
-            positions += int(first_ok.sum())
-            replay_depths(matches, stats)
-        return {"top1_agreement": round(agree_total / max(positions, 1), 4), **stats.as_dict()}
+        length = min(ex.tokens.numel(), self.config.max_length)
+        p = ex.prompt_length
+        if p < 1 or length - p < 2:
+            return None
+        anchors = torch.arange(p, length)  # every generated token as a root
+        features, tokens = ex.hidden[None, :length].to(device), ex.tokens[None, :length].to(device)
+        drafts = torch.cat([self.vocab[model(features, tokens, chunk[None].to(device))[0].argmax(-1).cpu()]
+                            for chunk in anchors.split(64)])  # shape: [R, B-1]
+        roots = anchors.numel()
+        matches = torch.zeros(roots, drafts_per_block, dtype=torch.bool)
+        for j in range(drafts_per_block):
+            later = anchors + j + 1
+            ok = later < length
+            matches[ok, j] = drafts[ok, j] == ex.tokens[later[ok]]
+        first_ok = anchors + 1 < length
+        agree = int((drafts[first_ok, 0] == self.vocab[ex.top_index[anchors[first_ok], 0]]).sum())
+        return matches, agree, int(first_ok.sum())
+
+
+@dataclass(frozen=True)
+class DFlashOptions(TappedOptions):
+    """Options of ``specwise train dflash``."""
+
+    minutes: float = redefault(TappedOptions, "minutes", 45.0)
+    lr: float = redefault(TappedOptions, "lr", 8e-4)
+    batch_tokens: int = redefault(TappedOptions, "batch_tokens", default_of(DFlashRecipeConfig, "batch_tokens"))
+    draft_vocab_size: int = redefault(TappedOptions, "draft_vocab_size", default_of(DFlashConfig, "draft_vocab_size"))
+    block_size: int = option(default_of(DFlashRecipeConfig, "block_size"), "tokens per block, anchor included")
+    dflash_layers: int = option(default_of(DFlashConfig, "num_layers"), "draft transformer layers")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("block_size", self.block_size, 2)
+        check_int("dflash_layers", self.dflash_layers, 1)
+
+
+@register_recipe("dflash", DFlashOptions, "train a DFlash block-diffusion drafter on the frozen target's features")
+def train_dflash(job: TrainingJob, options: DFlashOptions) -> Path:
+    """Train a DFlash drafter (:class:`DFlashRecipe`) and write its checkpoint to ``job.out``.
+
+    The features (target top-k and the hidden states of the feature layers, by default the same
+    low / middle / high layers as EAGLE's) go to :func:`specwise.training.pipeline.taps_features_dir`,
+    shared with EAGLE.
+    """
+
+    layers, features = tapped_features(job, options)
+    data = DFlashRecipeConfig(batch_tokens=options.batch_tokens, max_length=options.max_length,
+                              block_size=options.block_size, loss_on=options.loss_on)
+    recipe = DFlashRecipe(job.corpus, features.vocab, layers, data, features.directory)
+    job.say(f"{describe_data(recipe, layers)}, block {options.block_size}")
+    model = DFlashModel(job.target, DFlashConfig(feature_layers=layers, draft_vocab_size=options.draft_vocab_size,
+                                                 block_size=options.block_size, num_layers=options.dflash_layers,
+                                                 window=options.max_length), features.vocab)
+    plan = TrainingPlan("DFlash block diffusion (random anchors, bidirectional blocks, soft cross-entropy on "
+                        "target top-k, entry k weighted exp(-(k-1)/4), draft vocabulary)", model, recipe, data)
+    return train_and_save(job, options, features, plan)

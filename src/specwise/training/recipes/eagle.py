@@ -9,25 +9,32 @@ renormalized top-k distribution is weighted ``step_decay ** j``. With ``loss_on=
 loss covers only positions whose predicted token the target wrote (the continuations, not the human
 prompts; EAGLE's reference trains on assistant turns only): prompt tokens are still read as context,
 but the output layer, two thirds of the head's cost, skips them, and windows of prompt text alone
-are not trained on. On the shipped head's corpus and time budget it reached the same held-out replay
-τ as ``"all"`` (1.89 against 1.86), and in decoding it was faster greedy but slower at T=0.7
-(README), so ``"all"`` stays the default.
+are not trained on. On the shipped head's corpus and time budget it did not beat ``"all"``, on
+held-out replay nor in decoding (docs/benchmarks/loss-on-generated-greedy-report.md and
+-t0.7-report.md; the training comparison is in docs/notes/train.md), so ``"all"`` stays the default.
 
 Validation replays greedy chain decoding on held-out target-written text: with the unroll teacher
 forced, draft j at root r equals what decoding would have drafted whenever drafts 0..j-1 were
 accepted, so acceptance by depth and τ of a chain of ``validation_draft_tokens`` are exact.
+
+``specwise train eagle`` (:func:`train_eagle`, options :class:`EagleOptions`) writes the checkpoint.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from specwise.errors import ConfigError
-from specwise.training.acceptance import ChainAcceptance, replay_depths
-from specwise.training.draft_recipe import DraftLMRecipe, DraftRecipeConfig
+from specwise.models.eagle import EagleConfig, EagleHead
+from specwise.training.options import check_int, default_of, option, redefault
+from specwise.training.pipeline import TrainingJob, TrainingPlan, train_and_save
+from specwise.training.recipes.base import register_recipe
+from specwise.training.recipes.draft import DraftRecipeConfig
+from specwise.training.recipes.tapped import TappedOptions, TappedRecipe, describe_data, tapped_features
 
 
 @dataclass(frozen=True)
@@ -37,7 +44,7 @@ class EagleRecipeConfig(DraftRecipeConfig):
     ttt_steps: int = 3  # draft steps unrolled in training (J)
     step_decay: float = 0.8  # loss weight of step j is step_decay ** j (EAGLE-3's reference value)
     validation_draft_tokens: int = 6  # chain depth of the replayed validation decoding
-    loss_on: str = "all"  # see DraftRecipeConfig; "generated" measured no better (module docstring)
+    loss_on: str = "all"  # see DraftRecipeConfig; "generated" did no better (module docstring)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -45,7 +52,7 @@ class EagleRecipeConfig(DraftRecipeConfig):
             raise ConfigError("ttt_steps must be >= 1 and step_decay in (0, 1].")
 
 
-class EagleRecipe(DraftLMRecipe):
+class EagleRecipe(TappedRecipe):
     """Training-time-test training of an EAGLE-3 head.
 
     Args:
@@ -61,8 +68,12 @@ class EagleRecipe(DraftLMRecipe):
 
     def __init__(self, corpus_dir, vocab: torch.Tensor, hidden_layers: tuple[int, ...],
                  config: EagleRecipeConfig = EagleRecipeConfig(), features_dir=None) -> None:
-        super().__init__(corpus_dir, vocab, config, hidden_layers, features_dir)
+        super().__init__(corpus_dir, vocab, hidden_layers, config, features_dir)
         self.config: EagleRecipeConfig = config
+
+    @property
+    def validation_depth(self) -> int:
+        return self.config.validation_draft_tokens
 
     def _batch(self, batch, steps: int):
         """Pad a micro-batch: features ``[B, W, F*H]``, next ids / top-k / validity ``[B, W+J-1, ...]``
@@ -109,37 +120,62 @@ class EagleRecipe(DraftLMRecipe):
             weight_sum += weight
         return total / weight_sum, int(rows.sum())
 
-    @torch.no_grad()
-    def validate(self, model: nn.Module) -> dict:
-        """Replayed greedy chain decoding on held-out target-written text (acceptance by depth, τ),
-        and step 0's teacher-forced top-1 agreement with the target."""
-        if not self.validation_examples:
-            return {}
+    def replay(self, model: nn.Module, ex, device) -> tuple[torch.Tensor, int, int] | None:
+        """Unroll the head ``validation_draft_tokens`` steps at every position of one held-out text
+        (teacher forced) and match root r's draft j against the text."""
         depth = self.config.validation_draft_tokens
-        stats = ChainAcceptance(depth)
-        agree_total, positions = 0, 0
-        device = next(model.parameters()).device
-        for ex in self.validation_examples:
-            length = min(ex.tokens.numel(), self.config.max_length) - 1  # indices t with a next token
-            if length < 2 or ex.prompt_length >= length:
-                continue
-            next_ids = torch.zeros(length + depth - 1, dtype=torch.long)
-            next_ids[:length] = ex.tokens[1: length + 1]
-            outputs = model(ex.hidden[None, :length].to(device), next_ids[None].to(device), depth)
-            drafts = torch.stack([self.vocab[o[0].argmax(-1).cpu()] for o in outputs], dim=1)  # shape: [T, K]
-            agree = drafts[:, 0] == self.vocab[ex.top_index[1: length + 1, 0]]
-            agree_total += int(agree.sum())
-            positions += agree.numel()
-            # root r = generated token r sits at index p + r; its draft j is row p + r - 1, step j,
-            # and predicts the token at index p + r + j + 1
-            p = ex.prompt_length
-            tokens = ex.tokens[: length + 1]
-            roots = length + 1 - p  # generated tokens in the window
-            matches = torch.zeros(roots, depth, dtype=torch.bool)
-            for j in range(depth):
-                r = torch.arange(roots)
-                target_index = p + r + j + 1
-                ok = target_index <= length
-                matches[ok, j] = drafts[(p + r - 1)[ok], j] == tokens[target_index[ok]]
-            replay_depths(matches, stats)
-        return {"top1_agreement": round(agree_total / max(positions, 1), 4), **stats.as_dict()}
+        length = min(ex.tokens.numel(), self.config.max_length) - 1  # indices t with a next token
+        if length < 2 or ex.prompt_length >= length:
+            return None
+        next_ids = torch.zeros(length + depth - 1, dtype=torch.long)
+        next_ids[:length] = ex.tokens[1: length + 1]
+        outputs = model(ex.hidden[None, :length].to(device), next_ids[None].to(device), depth)
+        drafts = torch.stack([self.vocab[o[0].argmax(-1).cpu()] for o in outputs], dim=1)  # shape: [T, K]
+        agree = drafts[:, 0] == self.vocab[ex.top_index[1: length + 1, 0]]
+        # root r = generated token r sits at index p + r; its draft j is row p + r - 1, step j,
+        # and predicts the token at index p + r + j + 1
+        p = ex.prompt_length
+        tokens = ex.tokens[: length + 1]
+        roots = length + 1 - p  # generated tokens in the window
+        matches = torch.zeros(roots, depth, dtype=torch.bool)
+        for j in range(depth):
+            r = torch.arange(roots)
+            target_index = p + r + j + 1
+            ok = target_index <= length
+            matches[ok, j] = drafts[(p + r - 1)[ok], j] == tokens[target_index[ok]]
+        return matches, int(agree.sum()), agree.numel()
+
+
+@dataclass(frozen=True)
+class EagleOptions(TappedOptions):
+    """Options of ``specwise train eagle``."""
+
+    minutes: float = redefault(TappedOptions, "minutes", 45.0)
+    lr: float = redefault(TappedOptions, "lr", 8e-4)
+    batch_tokens: int = redefault(TappedOptions, "batch_tokens", default_of(EagleRecipeConfig, "batch_tokens"))
+    draft_vocab_size: int = redefault(TappedOptions, "draft_vocab_size", default_of(EagleConfig, "draft_vocab_size"))
+    ttt_steps: int = option(default_of(EagleRecipeConfig, "ttt_steps"), "draft steps unrolled in training")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("ttt_steps", self.ttt_steps, 1)
+
+
+@register_recipe("eagle", EagleOptions, "train an EAGLE-3 head on the frozen target's features")
+def train_eagle(job: TrainingJob, options: EagleOptions) -> Path:
+    """Train an EAGLE-3 head (:class:`EagleRecipe`) and write its checkpoint to ``job.out``.
+
+    The features (target top-k and the hidden states of the head's feature layers) go to
+    :func:`specwise.training.pipeline.taps_features_dir`.
+    """
+
+    layers, features = tapped_features(job, options)
+    data = EagleRecipeConfig(batch_tokens=options.batch_tokens, max_length=options.max_length,
+                             ttt_steps=options.ttt_steps, loss_on=options.loss_on)
+    recipe = EagleRecipe(job.corpus, features.vocab, layers, data, features.directory)
+    job.say(describe_data(recipe, layers))
+    model = EagleHead(job.target, EagleConfig(feature_layers=layers, draft_vocab_size=options.draft_vocab_size,
+                                              window=options.max_length), features.vocab)
+    plan = TrainingPlan("EAGLE-3 training-time test (soft cross-entropy on target top-k, draft vocabulary)",
+                        model, recipe, data)
+    return train_and_save(job, options, features, plan)

@@ -13,20 +13,29 @@ depth, τ). The static tree is calibrated on greedy text too (:meth:`MedusaRecip
 the held-out sequences are few (one in ``validation_every``, and a quarter of those greedy), so
 greedy *training* sequences join them ("held-in" data, as Medusa calibrates); heads of a few hundred
 thousand parameters barely overfit a corpus of this size.
+
+``specwise train medusa`` (:func:`train_medusa`, options :class:`MedusaOptions`) trains the heads,
+calibrates their static tree (:mod:`specwise.training.tree_calibration`) and writes the checkpoint.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from specwise.errors import ConfigError
+from specwise.models.medusa import MedusaConfig, MedusaHeads, final_hidden_layer
 from specwise.training.acceptance import ChainAcceptance, replay_depths
-from specwise.training.draft_recipe import LOSS_ON, is_validation
 from specwise.training.features import iter_labelled
+from specwise.training.options import LOSS_ON, TrainOptions, check_int, default_of, option, redefault
+from specwise.training.pipeline import TrainingJob, TrainingPlan, featurize, taps_features_dir, train_and_save
+from specwise.training.recipes.base import register_recipe
+from specwise.training.recipes.draft import is_validation
 from specwise.training.trainer import Recipe
+from specwise.training.tree_calibration import calibrate_tree
 
 
 @dataclass(frozen=True)
@@ -40,7 +49,7 @@ class MedusaRecipeConfig:
     calibration_sequences: int = 400  # greedy training sequences (held-in) that also calibrate the tree
     rank_limit: int = 10  # ranks per head considered for the tree (Medusa's TOPK)
     # positions trained on: "all", or "generated": hidden states whose next token the target wrote
-    # (decoding's roots); "generated" measured no better and overfits the held-in calibration (README)
+    # (decoding's roots); "generated" did no better and overfits the held-in calibration (docs/training.md)
     loss_on: str = "all"
 
     def __post_init__(self) -> None:
@@ -198,3 +207,46 @@ class MedusaRecipe(Recipe):
                 continue
             out.append(torch.arange(roots) + j + 1 < roots)
         return torch.cat(out)[:count]
+
+
+@dataclass(frozen=True)
+class MedusaOptions(TrainOptions):
+    """Options of ``specwise train medusa``."""
+
+    minutes: float = redefault(TrainOptions, "minutes", 30.0)
+    lr: float = redefault(TrainOptions, "lr", 1e-3)
+    batch_tokens: int = redefault(TrainOptions, "batch_tokens", default_of(MedusaRecipeConfig, "batch_tokens"))
+    draft_vocab_size: int = redefault(TrainOptions, "draft_vocab_size", default_of(MedusaConfig, "draft_vocab_size"))
+    num_heads: int = option(default_of(MedusaConfig, "num_heads"), "heads trained")
+    medusa_layers: int = option(default_of(MedusaConfig, "num_layers"), "residual blocks per head")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("num_heads", self.num_heads, 1)
+        check_int("medusa_layers", self.medusa_layers, 1)
+
+
+@register_recipe("medusa", MedusaOptions, "train Medusa heads on the frozen target's final hidden state")
+def train_medusa(job: TrainingJob, options: MedusaOptions) -> Path:
+    """Train Medusa heads (:class:`MedusaRecipe`), calibrate their static tree on greedy text and this
+    machine's measured verification cost (:mod:`specwise.training.tree_calibration`), and write the
+    checkpoint to ``job.out``.
+
+    The features (target top-k and its final hidden state) go to
+    :func:`specwise.training.pipeline.taps_features_dir`.
+    """
+
+    layer = final_hidden_layer(job.target)
+    features = featurize(job, options.top_k, options.draft_vocab_size, (layer,), taps_features_dir(job.corpus, (layer,)))
+    data = MedusaRecipeConfig(batch_tokens=options.batch_tokens, loss_on=options.loss_on)
+    recipe = MedusaRecipe(job.corpus, features.vocab, layer, options.num_heads, data, features.directory)
+    job.say(f"training {options.num_heads} heads on {recipe.train_tokens} positions, "
+            f"{len(recipe.validation_examples)} validation sequences")
+    model = MedusaHeads(job.target, MedusaConfig(num_heads=options.num_heads, num_layers=options.medusa_layers,
+                                                 draft_vocab_size=options.draft_vocab_size, hidden_layer=layer),
+                        features.vocab)
+    model.set_scale(recipe.scale_sample())
+    plan = TrainingPlan("Medusa-1 heads on the frozen target (soft cross-entropy on target top-k, draft vocabulary, "
+                        "head k weighted 0.8^(k-1))", model, recipe, data,
+                        extra_architecture=lambda heads: {"tree": calibrate_tree(heads, recipe, job.target, job.say)})
+    return train_and_save(job, options, features, plan)

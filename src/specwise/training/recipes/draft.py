@@ -10,6 +10,9 @@ Sequences longer than ``max_length`` are cut into windows; micro-batches group w
 length up to ``batch_tokens`` padded tokens. One sequence in ``validation_every`` (by id hash) is
 held out; validation replays greedy decoding on its target-written part
 (:mod:`specwise.training.acceptance`).
+
+``specwise train draft`` (:func:`train_draft`, options :class:`DraftOptions`) labels the corpus
+beside its shards and writes the checkpoint.
 """
 
 from __future__ import annotations
@@ -17,16 +20,19 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from specwise.errors import ConfigError
+from specwise.models.draft_lm import DraftLM, DraftLMConfig
 from specwise.training.acceptance import ChainAcceptance, replay_chain
 from specwise.training.features import iter_labelled
+from specwise.training.options import LOSS_ON, TrainOptions, check_int, default_of, option, redefault
+from specwise.training.pipeline import TrainingJob, TrainingPlan, featurize, train_and_save
+from specwise.training.recipes.base import register_recipe
 from specwise.training.trainer import Recipe
-
-LOSS_ON = ("generated", "all")
 
 
 @dataclass(frozen=True)
@@ -169,3 +175,37 @@ class DraftLMRecipe(Recipe):
             agree_text = self.vocab[draft_top[:-1]] == tokens[1:]
             replay_chain(agree_text[ex.prompt_length - 1:], self.config.validation_draft_tokens, into=stats)
         return {"top1_agreement": round(agree_total / max(positions, 1), 4), **stats.as_dict()}
+
+
+@dataclass(frozen=True)
+class DraftOptions(TrainOptions):
+    """Options of ``specwise train draft``."""
+
+    batch_tokens: int = redefault(TrainOptions, "batch_tokens", default_of(DraftRecipeConfig, "batch_tokens"))
+    draft_vocab_size: int = redefault(TrainOptions, "draft_vocab_size", default_of(DraftLMConfig, "draft_vocab_size"))
+    init_layers: tuple[int, ...] = option(default_of(DraftLMConfig, "init_layers"),
+                                          "target layers its own layers start from, e.g. 0,-1")
+    borrowed_layers: int = option(default_of(DraftLMConfig, "borrowed_layers"),
+                                  "run the target's first N layers first (frozen, not stored)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.init_layers or not all(isinstance(i, int) for i in self.init_layers):
+            raise ConfigError(f"init_layers must be one or more layer indices, got {self.init_layers!r}.")
+        check_int("borrowed_layers", self.borrowed_layers, 0)
+
+
+@register_recipe("draft", DraftOptions, "distil a small draft LM from the target")
+def train_draft(job: TrainingJob, options: DraftOptions) -> Path:
+    """Distil a draft LM (:class:`DraftLMRecipe`) and write its checkpoint to ``job.out``."""
+
+    features = featurize(job, options.top_k, options.draft_vocab_size)
+    data = DraftRecipeConfig(batch_tokens=options.batch_tokens, loss_on=options.loss_on)
+    recipe = DraftLMRecipe(job.corpus, features.vocab, data)
+    job.say(f"training on {recipe.train_tokens} tokens ({len(recipe.train_examples)} sequences), "
+            f"{len(recipe.validation_examples)} validation sequences")
+    model = DraftLM(job.target, DraftLMConfig(init_layers=options.init_layers, draft_vocab_size=options.draft_vocab_size,
+                                              borrowed_layers=options.borrowed_layers), features.vocab)
+    plan = TrainingPlan("draft-lm distillation (soft cross-entropy on target top-k, draft vocabulary)",
+                        model.to_own(torch.float32), recipe, data)
+    return train_and_save(job, options, features, plan)
