@@ -71,7 +71,7 @@ def method_options(args: argparse.Namespace) -> dict:
         ConfigError: an ``--option`` that is not ``KEY=VALUE``.
     """
 
-    names = {"num_draft_tokens": args.num_draft_tokens, "drafter": args.drafter,
+    names = {"num_draft_tokens": args.num_draft_tokens, "drafter_path": args.drafter,
              "max_ngram_size": args.max_ngram_size, "min_ngram_size": args.min_ngram_size}
     options = {k: v for k, v in names.items() if v is not None}
     for item in args.option:
@@ -98,13 +98,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = METHODS.get(args.method)
     options = method_options(args)
     config = spec.make_config(**options)
-    if hasattr(config, "drafter"):  # a trained drafter: fail before the (slower) target load
-        if config.drafter is None and shipped_drafter(args.target, args.method) is None:
+    if spec.needs_weights:  # a trained drafter: fail before the (slower) target load
+        if config.drafter_path is None and shipped_drafter(args.target, args.method) is None:
             what = "a draft model" if args.method == "draft" else "a trained drafter"
             raise DrafterError(f"method {args.method!r} needs {what} for {args.target}: pass --drafter PATH "
                                "(one ships only for gemma-3-270m).")
-        if config.drafter is not None and not Path(config.drafter).exists():
-            raise DrafterError(f"the drafter {config.drafter} does not exist.")
+        if config.drafter_path is not None and not Path(config.drafter_path).exists():
+            raise DrafterError(f"the drafter {config.drafter_path} does not exist.")
     resolve_device(args.device)
     target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
     streamer = None if args.json else _TextStreamer(target)

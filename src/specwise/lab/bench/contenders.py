@@ -124,7 +124,7 @@ def hf_peer_specs(specs: list[str]) -> list[str]:
     for spec in specs:
         name, options = split_spec(spec)
         if name == "draft":
-            peers.append(f"hf-assisted[assistant={options.get('drafter', 'default')}]")
+            peers.append(f"hf-assisted[assistant={options.get('drafter_path', options.get('drafter', 'default'))}]")
     return peers
 
 
