@@ -79,10 +79,11 @@ def contender_draft_tokens(label: str) -> tuple[str, int] | None:
     name, options = split_spec(label)
     if name == BASELINE or name.startswith("hf-") or name not in METHODS.names():
         return None
-    fields = {f.name: f.default for f in dataclasses.fields(METHODS.get(name).config_cls)}
-    if "num_draft_tokens" not in fields:
+    method = METHODS.get(name)
+    if not {"num_draft_tokens"} & (method.option_names | set(method.config_cls.RENAMED_OPTIONS)):
         return None
-    return name, int(options.get("num_draft_tokens", fields["num_draft_tokens"]))
+    k = method.make_config(**options).chain_draft_tokens
+    return None if k is None else (name, int(k))
 
 
 def measured_points(results: dict) -> list[MeasuredPoint]:

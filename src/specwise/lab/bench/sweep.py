@@ -78,8 +78,9 @@ class Sweep:
             if name == BASELINE or name.startswith("hf-"):
                 labels = [spec]
             else:
-                fields = {f.name for f in dataclasses.fields(METHODS.get(name).config_cls)}
-                if self.key not in fields:
+                method = METHODS.get(name)
+                fields = method.option_names
+                if self.key not in fields | set(method.config_cls.RENAMED_OPTIONS):
                     raise ConfigError(f"cannot sweep {self.key!r}: method {name!r} has no such option "
                                       f"(its options: {', '.join(sorted(fields)) or 'none'}).")
                 base = join_spec(name, {k: v for k, v in options.items() if k != self.key})
