@@ -63,7 +63,7 @@ def run_demo(target_name: str, max_new_tokens: int, device, progress) -> int:
     if slower:
         console.print(f"Slower than ar here: {', '.join(slower)}. Verifying a draft token costs a measurable share of a "
                       "target step on this CPU, so a drafter pays off only where its drafts are accepted often "
-                      "enough (README: The cost of verification, and each trained drafter's section).")
+                      "enough (docs/tuning.md: the cost of verification; docs/training.md: each shipped drafter).")
     return 0
 
 
