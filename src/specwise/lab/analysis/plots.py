@@ -62,7 +62,7 @@ def plot_speedup_vs_alpha(calibration: Calibration, path: str | Path, ks: Sequen
     their method, in the colour of their k (a curve is added for every measured k): filled for
     ``overall``, small and hollow per category. Points of uncalibrated methods are not drawn.
     """
-    from matplotlib import colormaps
+    from matplotlib import colormaps  # the [bench] extra: imported only when a plot is drawn
 
     methods = list(calibration.methods.values())
     if not methods:

@@ -26,7 +26,7 @@ PLOT_FILES = {
 
 def new_figure(width: float, height: float):
     """A ``matplotlib.figure.Figure`` (inches) with constrained layout, detached from pyplot."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # the [bench] extra: imported only when a plot is drawn
 
     return Figure(figsize=(width, height), layout="constrained")
 
@@ -49,7 +49,7 @@ def _groups(results: dict) -> list[str]:
 
 
 def _colors(count: int) -> list:
-    from matplotlib import colormaps
+    from matplotlib import colormaps  # the [bench] extra, as in new_figure
 
     cmap = colormaps["tab10" if count <= 10 else "tab20"]
     return [cmap(i % cmap.N) for i in range(count)]
