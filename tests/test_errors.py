@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import specwise
 from conftest import make_model, make_target, random_prompt
@@ -243,3 +244,16 @@ def test_a_target_shared_by_two_threads_gives_the_sequential_tokens(target):
     for t in threads:
         t.join()
     assert results == sequential
+
+
+def test_an_hf_draft_model_past_its_position_limit_falls_back_to_plain_decoding(target):
+    """A GPT-2 draft (absolute position embeddings, 16 positions) on a 10-token prompt with 20 new
+    tokens: it drafts while its positions last, then the steps propose nothing; never an IndexError."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=1, n_head=2, bos_token_id=2, eos_token_id=1)
+    draft = GPT2LMHeadModel(config).to(torch.float64).eval()
+    drafter = DraftModelDrafter(target, DraftModelConfig(num_draft_tokens=4, confidence_threshold=0.0), draft_model=draft)
+    prompt = random_prompt(10)
+    result = specwise.generate(target, prompt, drafter=drafter, max_new_tokens=20)
+    assert result.token_ids == specwise.generate(target, prompt, max_new_tokens=20).token_ids
+    assert 0 < result.stats.drafted_tokens
