@@ -150,7 +150,7 @@ def generate(
         drafter = build_drafter(target, method, **method_options)
     elif method_options:
         raise ConfigError("method options cannot be combined with an already built drafter.")
-    elif getattr(drafter, "built_for", target) is not target:
+    elif getattr(drafter, "built_for", None) is not None and drafter.built_for is not target:
         raise DrafterError(f"this drafter was built for another target ({drafter.built_for.name}), not "
                            f"{target.name}; build one with specwise.build_drafter(target, ...).")
     generator = None
