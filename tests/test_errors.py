@@ -5,14 +5,18 @@ from __future__ import annotations
 import pkgutil
 import re
 import sys
+import threading
 
 import pytest
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import specwise
 from conftest import make_model, make_target, random_prompt
 from specwise.drafters import base
 from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter
+from specwise.engine.drafter import Drafter
+from specwise.engine.types import Proposal
 from specwise.errors import ConfigError, DrafterError, PromptError, SpecwiseError, TargetLoadError
 from specwise.models.common import check_flag, check_int, check_probability
 
@@ -185,3 +189,71 @@ def test_bad_load_options(options, match):
 def test_every_error_class_is_a_specwise_error():
     for error in (ConfigError, DrafterError, PromptError, TargetLoadError):
         assert issubclass(error, SpecwiseError)
+
+
+class _BlockingDrafter(Drafter):
+    """Proposes nothing, but its first proposal waits until the test releases it."""
+
+    method = "blocking"
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def propose(self, ctx):
+        self.entered.set()
+        assert self.release.wait(30)
+        return Proposal.empty(ctx.token_ids.device)
+
+
+def test_a_drafter_running_in_another_call_is_refused(target):
+    drafter = _BlockingDrafter()
+    first = threading.Thread(target=specwise.generate, args=(target, PROMPT), kwargs=dict(drafter=drafter, max_new_tokens=3))
+    first.start()
+    try:
+        assert drafter.entered.wait(30)
+        with _raises(DrafterError, "already in use"):
+            specwise.generate(target, PROMPT, drafter=drafter, max_new_tokens=3)
+    finally:
+        drafter.release.set()
+        first.join()
+    assert len(specwise.generate(target, PROMPT, drafter=drafter, max_new_tokens=3).token_ids) == 3  # free again
+
+
+def test_a_drafter_built_for_another_target_is_refused(target):
+    other = make_target("llama", seed=1)
+    drafter = specwise.build_drafter(other, "pld")
+    with _raises(DrafterError, "another target"):
+        specwise.generate(target, PROMPT, drafter=drafter, max_new_tokens=4)
+    specwise.generate(other, PROMPT, drafter=drafter, max_new_tokens=4)
+
+
+def test_a_target_shared_by_two_threads_gives_the_sequential_tokens(target):
+    """Each call owns its cache and RNG, so two threads on one Target (a drafter each) give what two
+    calls in a row give."""
+    calls = [dict(method="lookahead", max_new_tokens=40), dict(method="pld", temperature=0.8, seed=3, max_new_tokens=40)]
+    prompt = random_prompt(12, seed=4)
+    sequential = [specwise.generate(target, prompt, **c).token_ids for c in calls]
+    results: list = [None, None]
+
+    def run(i):
+        results[i] = specwise.generate(target, prompt, **calls[i]).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == sequential
+
+
+def test_an_hf_draft_model_past_its_position_limit_falls_back_to_plain_decoding(target):
+    """A GPT-2 draft (absolute position embeddings, 16 positions) on a 10-token prompt with 20 new
+    tokens: it drafts while its positions last, then the steps propose nothing; never an IndexError."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=1, n_head=2, bos_token_id=2, eos_token_id=1)
+    draft = GPT2LMHeadModel(config).to(torch.float64).eval()
+    drafter = DraftModelDrafter(target, DraftModelConfig(num_draft_tokens=4, confidence_threshold=0.0), draft_model=draft)
+    prompt = random_prompt(10)
+    result = specwise.generate(target, prompt, drafter=drafter, max_new_tokens=20)
+    assert result.token_ids == specwise.generate(target, prompt, max_new_tokens=20).token_ids
+    assert 0 < result.stats.drafted_tokens

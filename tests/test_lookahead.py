@@ -105,3 +105,25 @@ def test_sampled_sequences_follow_the_target_distribution():
         accepted += result.stats.accepted_tokens
     assert 0 < accepted < drafted, "both acceptance and rejection must be exercised"
     assert_distribution(counts, exact, "lookahead sequences")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_window_never_sits_past_the_context(arch, monkeypatch):
+    """A request that fills the context exactly: in the last steps the window would get positions
+    past ``max_context``; it is left out, and the output is still the greedy one."""
+    target = make_target(arch)
+    prompt = repetitive_prompt(500)
+    max_new_tokens = target.max_context - prompt.numel()
+    farthest = []
+    forward = target.forward
+
+    def spy(input_ids, cache, **kwargs):
+        layout = kwargs.get("layout")
+        farthest.append(int(layout.positions.max()) if layout is not None else cache.length + input_ids.numel() - 1)
+        return forward(input_ids, cache, **kwargs)
+
+    monkeypatch.setattr(target, "forward", spy)
+    config = LookaheadConfig(window_size=4, ngram_size=4)
+    result = specwise.generate(target, prompt, drafter=LookaheadDrafter(target, config), max_new_tokens=max_new_tokens)
+    assert max(farthest) < target.max_context
+    assert result.token_ids == reference_greedy(target.model, prompt, max_new_tokens)[: len(result.token_ids)]

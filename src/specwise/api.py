@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -14,18 +16,44 @@ from specwise.drafters.checkpoint import read_config
 from specwise.engine.loop import speculative_generate
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.types import GenerationResult
-from specwise.errors import ConfigError, PromptError
+from specwise.errors import ConfigError, DrafterError, PromptError
+
+#: ids of the drafters a ``generate`` call is running right now (a drafter holds per-call state)
+_DRAFTERS_IN_USE: set[int] = set()
+_DRAFTERS_LOCK = threading.Lock()
 
 
 def build_drafter(target, method: str, **options: Any) -> Drafter:
     """Instantiate the drafter registered as ``method`` with its typed options.
 
+    The drafter remembers ``target`` (``built_for``): :func:`generate` refuses it with another one.
+
     Raises:
         DrafterError: unknown method (the message lists the available ones) or a bad drafter.
-        ConfigError: an option the method does not take, or out of range.
+        ConfigError: an option the method does not take, or out of range (a drafter path with a
+            method that uses none included).
+    """
+    spec, config = spec_and_config(method, **options)
+    drafter = spec.factory(target, config)
+    drafter.built_for = target
+    return drafter
+
+
+def spec_and_config(method: str, **options: Any):
+    """The registered method ``method`` and its typed config built from ``options``.
+
+    Returns:
+        ``(MethodSpec, MethodConfig)``.
+
+    Raises:
+        DrafterError: unknown method. ConfigError: an option the method does not take, or out of range.
     """
     spec = METHODS.get(method)
-    return spec.factory(target, spec.make_config(**options))
+    if "drafter_path" in options and "drafter_path" not in spec.option_names:
+        takers = ", ".join(s.name for s in METHODS.listed() if "drafter_path" in s.option_names)
+        raise ConfigError(f"method {method!r} uses no trained drafter or draft model, but one was given "
+                          f"({options['drafter_path']}); choose a method that does ({takers}).")
+    return spec, spec.make_config(**options)
 
 
 def load_drafter(path: str | Path, target, **options):
@@ -45,7 +73,9 @@ def load_drafter(path: str | Path, target, **options):
     """
     config = read_config(path)
     spec = METHODS.get(config["method"])
-    return spec.factory(target, spec.make_config(drafter_path=str(path), **options))
+    drafter = spec.factory(target, spec.make_config(drafter_path=str(path), **options))
+    drafter.built_for = target
+    return drafter
 
 
 def generate(
@@ -88,22 +118,27 @@ def generate(
     Returns:
         :class:`GenerationResult` with ``text``, ``token_ids`` and ``stats`` (:class:`SpecStats`).
 
+    Thread safety: a ``Target`` may serve concurrent calls (each call owns its KV cache and RNG);
+    a drafter may not, so give each thread its own.
+
     Raises:
-        PromptError: empty prompt, or prompt + ``max_new_tokens`` beyond the target's context.
-        ConfigError: options out of range. DrafterError: unknown method or bad drafter.
+        PromptError: empty prompt, text that is not valid UTF-8, token ids that are not a 1-D
+            integer sequence inside the vocabulary, or prompt + ``max_new_tokens`` beyond the
+            target's context.
+        ConfigError: options out of range or of the wrong type (``stop``, ``seed`` included).
+        DrafterError: unknown method, a bad drafter, a drafter built for another target, or one
+            already running in another call.
     """
     sampling = SamplingConfig(temperature, top_k, top_p, repetition_penalty)
-    if isinstance(stop, str):
-        stop = (stop,)
-    if any(not isinstance(s, str) or not s for s in stop):
-        raise ConfigError("stop strings must be non-empty strings.")
+    check_seed(seed)
+    stop = check_stop_strings(stop)
     if isinstance(drafter, (str, os.PathLike)):
         warn_renamed("generate", "drafter=PATH", "drafter_path=PATH")
         if "drafter_path" in method_options:
             raise ConfigError("give drafter_path or a path as drafter, not both.")
         method_options["drafter_path"] = os.fspath(drafter)
         drafter = None
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
     prompt_ids = _prompt_ids(target, prompt)
     if prompt_ids.numel() + max_new_tokens > target.max_context:
@@ -115,6 +150,9 @@ def generate(
         drafter = build_drafter(target, method, **method_options)
     elif method_options:
         raise ConfigError("method options cannot be combined with an already built drafter.")
+    elif getattr(drafter, "built_for", None) is not None and drafter.built_for is not target:
+        raise DrafterError(f"this drafter was built for another target ({drafter.built_for.name}), not "
+                           f"{target.name}; build one with specwise.build_drafter(target, ...).")
     generator = None
     if not sampling.is_greedy or seed is not None:
         generator = torch.Generator(device=target.device)
@@ -122,21 +160,88 @@ def generate(
             generator.seed()
         else:
             generator.manual_seed(seed)
-    tokens, stop_reason, stats = speculative_generate(
-        target, drafter, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-        generator=generator, stop_strings=stop, streamer=streamer,
-    )
+    with _exclusive(drafter):
+        tokens, stop_reason, stats = speculative_generate(
+            target, drafter, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+            generator=generator, stop_strings=stop, streamer=streamer,
+        )
     return GenerationResult(target.decode(tokens), tokens, stats, stop_reason)
+
+
+def check_seed(seed) -> None:
+    """Refuse a seed that ``torch.Generator.manual_seed`` cannot take.
+
+    Raises:
+        ConfigError: ``seed`` is neither ``None`` nor an integer in ``[0, 2**64)``.
+    """
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+        raise ConfigError(f"seed must be an integer in [0, 2**64), got {seed!r}.")
+
+
+def check_stop_strings(stop) -> tuple[str, ...]:
+    """``stop`` as a tuple of stop strings (one string is one stop string).
+
+    Raises:
+        ConfigError: ``stop`` is not a string or a sequence of non-empty, valid Unicode strings.
+    """
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)):
+        raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}.")
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ConfigError("stop strings must be non-empty strings.")
+    for s in stop:
+        check_text("a stop string", s, ConfigError)
+    return tuple(stop)
+
+
+def check_text(what: str, text: str, error: type[Exception] = PromptError) -> None:
+    """Refuse text that no tokenizer can take: a lone surrogate (what invalid UTF-8 bytes on a
+    command line become).
+
+    Raises:
+        PromptError (or ``error``): ``text`` is not encodable as UTF-8.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise error(f"{what} is not valid UTF-8 text: it holds the lone surrogate U+{ord(text[exc.start]):04X} "
+                    f"at character {exc.start} (invalid bytes in the input).") from None
+
+
+@contextmanager
+def _exclusive(drafter):
+    """Hold ``drafter`` for one generation; a second concurrent call with it is refused (it holds
+    per-generation state such as its KV cache)."""
+    with _DRAFTERS_LOCK:
+        if id(drafter) in _DRAFTERS_IN_USE:
+            raise DrafterError(f"this {type(drafter).__name__} is already in use by another generate call; "
+                               "a drafter holds per-call state, so build one per thread.")
+        _DRAFTERS_IN_USE.add(id(drafter))
+    try:
+        yield
+    finally:
+        with _DRAFTERS_LOCK:
+            _DRAFTERS_IN_USE.discard(id(drafter))
 
 
 def _prompt_ids(target, prompt) -> torch.Tensor:
     if isinstance(prompt, str):
+        check_text("the prompt", prompt)
         if not prompt.strip():
             raise PromptError("the prompt is empty.")
         ids = target.encode(prompt)
     else:
-        ids = torch.as_tensor(list(prompt) if not isinstance(prompt, torch.Tensor) else prompt, dtype=torch.long)
-        ids = ids.reshape(-1).to(target.device)
+        try:
+            ids = prompt if isinstance(prompt, torch.Tensor) else torch.as_tensor(list(prompt))
+        except (TypeError, ValueError, RuntimeError):
+            raise PromptError("a prompt must be text or a sequence of integer token ids.") from None
+        if ids.dim() > 1:
+            raise PromptError(f"a prompt of token ids must be 1-D (one prompt, batch size 1), got shape "
+                              f"{list(ids.shape)}; pass one row, e.g. input_ids[0].")
+        if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+            raise PromptError(f"prompt token ids must be integers, got {ids.dtype}.")
+        ids = ids.to(dtype=torch.long, device=target.device)
     if ids.numel() == 0:
         raise PromptError("the prompt is empty.")
     if int(ids.min()) < 0 or int(ids.max()) >= target.vocab_size:

@@ -14,8 +14,7 @@ from typing import Sequence
 import transformers
 from rich.console import Console
 
-from specwise.api import generate
-from specwise.drafters.base import METHODS
+from specwise.api import check_seed, check_stop_strings, check_text, generate, spec_and_config
 from specwise.drafters.checkpoint import shipped_drafter
 from specwise.drafters.spec import parse_option_value, split_specs
 from specwise.engine.clock import machine_info
@@ -87,17 +86,17 @@ def _progress(message: str) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    check_text("the prompt", args.prompt)
     if not args.prompt.strip():
         raise PromptError("the prompt is empty.")
     # validate cheap options before the (slower) model load
     SamplingConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
+    check_seed(args.seed)
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
-    if any(not s for s in args.stop):
-        raise ConfigError("stop strings must be non-empty strings.")
-    spec = METHODS.get(args.method)
+    check_stop_strings(args.stop)
     options = method_options(args)
-    config = spec.make_config(**options)
+    spec, config = spec_and_config(args.method, **options)
     if spec.needs_weights:  # a trained drafter: fail before the (slower) target load
         if config.drafter_path is None and shipped_drafter(args.target, args.method) is None:
             what = "a draft model" if args.method == "draft" else "a trained drafter"

@@ -11,7 +11,8 @@ Under sampling it draws from its own processed distribution (the same temperatur
 penalty pipeline as the target, on its own prefix and over its own vocabulary) and returns those
 probabilities scattered over the target's vocabulary (zero outside the draft vocabulary), so
 verification is the exact ratio test with residual resampling. Under greedy decoding it drafts its
-argmax and returns no probabilities.
+argmax and returns no probabilities. An HF draft model drafts only within its own position limit
+(``max_position_embeddings``): past it, the step proposes nothing, which is plain decoding.
 
 ``confidence_threshold`` ends a step's chain early when the draft's top probability falls below it
 (dynamic draft length, as in HF assisted generation's ``assistant_confidence_threshold``): low
@@ -83,6 +84,9 @@ class _HFDraft:
 
     def __init__(self, model) -> None:
         self.model = model
+        config = model.config.get_text_config()
+        # positions the model can embed (absolute position embeddings fail past them); None = no limit
+        self.max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
     def next_logits(self, feed: torch.Tensor, cache: KVCache) -> torch.Tensor:
         # shape: feed [n] -> [V]. An index tensor, not logits_to_keep=1: see Target.forward (the int
@@ -93,6 +97,8 @@ class _HFDraft:
 
 class _DraftLMStep:
     """A :class:`DraftLM` as a draft: logits over its draft vocabulary (``vocab`` maps them to target ids)."""
+
+    max_positions = None  # the target's positions, which the loop keeps within its context
 
     def __init__(self, model) -> None:
         self.model = model
@@ -181,6 +187,8 @@ class DraftModelDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> Proposal:
         budget = min(self.config.num_draft_tokens, ctx.max_draft_tokens)
         ids = ctx.token_ids
+        if self.step.max_positions is not None:  # the k-th draft forward feeds position len(ids) - 1 + k
+            budget = min(budget, self.step.max_positions - ids.numel() + 1)
         if budget <= 0:
             return Proposal.empty(ids.device)
         sampling = ctx.sampling

@@ -13,7 +13,9 @@ into a trie and verified as a draft tree in the same forward. One more branch (o
 default, ``context_match_tokens``) is what prompt lookup would propose: the continuation of the
 most recent earlier occurrence of the context's last 1-3 tokens, up to 8 tokens long, which pool
 n-grams of length N - 1 cannot reach. Proposals are deterministic, so
-greedy output is exact and sampling uses the lossless "delta" tree rule.
+greedy output is exact and sampling uses the lossless "delta" tree rule. In the last steps before
+the target's context is full, the window would sit past its last position: it is left out, and
+only pool and context-match candidates are verified.
 """
 
 from __future__ import annotations
@@ -103,6 +105,9 @@ class LookaheadDrafter(Drafter):
         top = (self.levels_count - 1) * config.window_size
         self._logit_rows = torch.arange(top, top + config.window_size, device=device)
         self.eos_token_ids = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long)
+        # the window runs only while its farthest position (root + this offset) is inside the context
+        self._max_offset = int(positions.max())
+        self.max_context = target.max_context
         self.reset()
 
     def reset(self) -> None:
@@ -130,7 +135,11 @@ class LookaheadDrafter(Drafter):
             if match is not None:
                 candidates.insert(0, tuple(match.tolist()))
         tokens, parents = merge_paths([], [], [c[:budget] for c in candidates if c] if budget > 0 else [])
-        auxiliary = AuxiliaryTokens(self.window.flatten(), self._positions, self._visible, self._logit_rows)
+        auxiliary = None
+        if ids.numel() - 1 + self._max_offset < self.max_context:  # the root sits at position len(ids) - 1
+            auxiliary = AuxiliaryTokens(self.window.flatten(), self._positions, self._visible, self._logit_rows)
+        elif not tokens:
+            return Proposal.empty(ids.device)
         return Proposal(
             torch.tensor(tokens, dtype=torch.long, device=ids.device),
             parents=torch.tensor(parents, dtype=torch.long, device=ids.device),
@@ -139,11 +148,12 @@ class LookaheadDrafter(Drafter):
 
     def observe(self, feedback: StepFeedback) -> None:
         n = self.config.ngram_size
-        newest = feedback.aux_logits.argmax(dim=-1)  # shape: [W]
-        grams = torch.cat([self.window, newest[None]]).T.tolist()  # W n-grams of length N
-        for gram in grams:
-            self.pool.add(gram[0], tuple(gram[1:]))
-        self.window = torch.cat([self.window[1:], newest[None]])
+        if feedback.aux_logits is not None:  # None in the last steps, where the window would not fit
+            newest = feedback.aux_logits.argmax(dim=-1)  # shape: [W]
+            grams = torch.cat([self.window, newest[None]]).T.tolist()  # W n-grams of length N
+            for gram in grams:
+                self.pool.add(gram[0], tuple(gram[1:]))
+            self.window = torch.cat([self.window[1:], newest[None]])
         if self.config.pool_from_output:  # the n-grams that end in this step's new tokens
             start = max(self._pooled_upto - n + 1, 0)
             self.pool.add_sequence(feedback.token_ids[start:].tolist(), n)

@@ -26,6 +26,9 @@ class Drafter(ABC):
     method: ClassVar[str] = ""
     #: hidden-state indices (HF ``hidden_states`` indexing) the drafter needs from the target
     target_hidden_layers: tuple[int, ...] = ()
+    #: the Target it was built for (set by ``specwise.build_drafter``); ``generate`` refuses another
+    #: one. None = not recorded (a drafter constructed directly)
+    built_for: object | None = None
 
     def reset(self) -> None:
         """Forget all per-generation state."""

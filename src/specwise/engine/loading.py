@@ -81,7 +81,8 @@ def load_model_and_tokenizer(
 
     Raises:
         TargetLoadError: the target is not a known alias, an existing model directory or a
-            ``.gguf`` file, or loading or converting it failed (the cause is chained).
+            ``.gguf`` file, or loading, converting or moving it to ``device`` failed (the cause is
+            chained).
     """
     cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = Path(name_or_path).expanduser()
@@ -108,7 +109,14 @@ def load_model_and_tokenizer(
         raise TargetLoadError(
             f"Could not load {role} {name_or_path!r} from {model_dir}: {exc}"
         ) from exc
-    model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    try:
+        model.to(device=device, dtype=dtype)
+    except Exception as exc:  # out of memory, a CUDA build mismatch, ...: re-raised, cause chained
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
+        raise TargetLoadError(
+            f"Could not move {role} {name_or_path!r} to {device} in {dtype}: {reason}."
+        ) from exc
+    model.eval().requires_grad_(False)
     return model, tokenizer, canonical
 
 

@@ -8,11 +8,18 @@ must build them with the same pipeline on their own prefix, so acceptance stays 
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 from specwise.errors import ConfigError
+
+#: temperatures allowed besides 0: below, logits / temperature overflows float32 to inf (and the
+#: softmax to NaN); above, the distribution is uniform to within rounding
+TEMPERATURE_RANGE = (1e-2, 1e2)
+#: repetition penalties allowed: outside, penalised logits overflow or vanish the same way
+PENALTY_RANGE = (1e-2, 1e2)
 
 
 @dataclass(frozen=True)
@@ -29,14 +36,20 @@ class SamplingConfig:
     repetition_penalty: float = 1.0  # CTRL-style penalty on tokens already in the prefix; 1 = off
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}.")
+        for name, value in (("temperature", self.temperature), ("top-p", self.top_p),
+                            ("repetition penalty", self.repetition_penalty)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ConfigError(f"{name} must be a number, got {value!r}.")
+        if not (self.temperature == 0.0 or TEMPERATURE_RANGE[0] <= self.temperature <= TEMPERATURE_RANGE[1]):
+            raise ConfigError(f"temperature must be 0 (greedy) or between {TEMPERATURE_RANGE[0]} and "
+                              f"{TEMPERATURE_RANGE[1]}, got {self.temperature}.")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ConfigError(f"top-k must be an integer >= 0 (0 turns it off), got {self.top_k!r}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top-p must be in (0, 1], got {self.top_p}.")
-        if not self.repetition_penalty > 0.0:
-            raise ConfigError(f"repetition penalty must be > 0, got {self.repetition_penalty}.")
+        if not PENALTY_RANGE[0] <= self.repetition_penalty <= PENALTY_RANGE[1]:
+            raise ConfigError(f"repetition penalty must be between {PENALTY_RANGE[0]} and {PENALTY_RANGE[1]} "
+                              f"(1 turns it off), got {self.repetition_penalty}.")
 
     @property
     def is_greedy(self) -> bool:
