@@ -14,7 +14,9 @@ import pytest
 
 import specwise
 from conftest import OracleDrafter, greedy_continuation, make_target, random_prompt
+from specwise import cli
 from specwise.engine.stopping import IncrementalText, StoppingRules
+from specwise.engine.target import Target
 
 PROMPT = random_prompt(10, seed=1)
 N = 14
@@ -221,3 +223,33 @@ def test_incremental_text_matches_a_full_decoding_of_a_real_tokenizer():
         text.extend(continuation[i: i + 3])
     assert text.text + text.pending() == _special_text(target, continuation)
 
+
+# ------------------------------------------------------------------------------------------
+# the CLI's streamer
+
+
+class _ByteTarget(Target):
+    """The tiny target with each token decoded as one byte; ``lead`` decodes to a UTF-8 lead byte."""
+
+    lead = -1
+
+    def decode(self, token_ids, special_tokens: bool = False) -> str:
+        raw = bytes(0xC3 if t == self.lead else ord("a") + t % 26 for t in token_ids)
+        return raw.decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("stop", [[], ["zzzz"]])
+def test_the_cli_prints_a_tail_cut_mid_character(stop, monkeypatch, capsys):
+    """The length limit cuts a character after its first byte: the U+FFFD it decodes to is printed."""
+    plain = make_target("llama", eos=())
+    target = _ByteTarget(plain.model, plain.tokenizer, "bytes")
+    target.eos_token_ids = frozenset()
+    prompt = " ".join(f"t{i}" for i in PROMPT.tolist())
+    ids = specwise.generate(plain, prompt, max_new_tokens=5).token_ids
+    target.lead = ids[-1]
+    assert ids[-1] not in ids[:-1]
+    monkeypatch.setattr(cli, "load_target", lambda *args, **kwargs: target)
+    argv = ["generate", prompt, "--max-new-tokens", "5", "--device", "cpu"] + [a for s in stop for a in ("--stop", s)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(target.decode(ids) + "\n") and target.decode(ids).endswith("\ufffd")
