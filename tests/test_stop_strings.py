@@ -253,3 +253,14 @@ def test_the_cli_prints_a_tail_cut_mid_character(stop, monkeypatch, capsys):
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(target.decode(ids) + "\n") and target.decode(ids).endswith("\ufffd")
+
+
+def test_incremental_text_tail_and_restore():
+    text = IncrementalText(_letters)
+    for ids in ([0, 1], [2], [3, 4, 5]):
+        text.extend(ids)
+    assert (text.tail(4), text.tail(0), text.tail(99), text.length) == ("cdef", "", "abcdef", 6)
+    state = text.state()
+    text.extend([6, 7])
+    text.restore(state)
+    assert (text.tokens, text.text, text.pending()) == ([0, 1, 2, 3, 4, 5], "abcdef", "")

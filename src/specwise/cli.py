@@ -115,7 +115,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         text_streamer=streamer, **options,
     )
     if args.json:
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                          "stop_string": result.stop_string, "stats": result.stats.to_dict()}))
     else:
         print()
         Console(stderr=False).print(stats_table([result.stats]))

@@ -25,23 +25,35 @@ class IncrementalText:
 
     Attributes:
         tokens: every token added so far.
-        text: the settled text; ``text + pending()`` is the decoding of ``tokens``.
+        length: characters of settled text.
     """
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
         self.decode = decode
         self.tokens: list[int] = []
-        self.text = ""
-        self._prefix = 0  # tokens[_prefix:_read] decode to the end of `text`; tokens[_read:] are not settled
+        self.length = 0
+        self._pieces: list[str] = []  # the settled text, in pieces (joined only when read whole)
+        self._prefix = 0  # tokens[_prefix:_read] decode to the end of the settled text; tokens[_read:] are not settled
         self._read = 0
 
-    def extend(self, token_ids: Sequence[int]) -> None:
-        """Add tokens; settle their text unless it ends mid-character."""
+    @property
+    def text(self) -> str:
+        """The settled text; ``text + pending()`` is the decoding of ``tokens``."""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def extend(self, token_ids: Sequence[int]) -> str:
+        """Add tokens; settle their text unless it ends mid-character. Returns the newly settled text."""
         self.tokens.extend(token_ids)
         before, window = self._window()
-        if len(window) > len(before) and not window.endswith("\ufffd"):
-            self.text += window[len(before):]
-            self._prefix, self._read = self._read, len(self.tokens)
+        if len(window) <= len(before) or window.endswith("\ufffd"):
+            return ""
+        piece = window[len(before):]
+        self._pieces.append(piece)
+        self.length += len(piece)
+        self._prefix, self._read = self._read, len(self.tokens)
+        return piece
 
     def pending(self) -> str:
         """The text of the tokens not settled yet (it may end in U+FFFD)."""
@@ -50,14 +62,24 @@ class IncrementalText:
         before, window = self._window()
         return window[len(before):]
 
+    def tail(self, n: int) -> str:
+        """The last ``n`` characters (or fewer) of the settled text."""
+        out: list[str] = []
+        for piece in reversed(self._pieces):
+            if n <= 0:
+                break
+            out.append(piece[-n:])
+            n -= len(piece)
+        return "".join(reversed(out))
+
     def state(self) -> tuple:
-        """A snapshot for :meth:`restore` (O(1): the text is immutable)."""
-        return len(self.tokens), self.text, self._prefix, self._read
+        """A snapshot for :meth:`restore`."""
+        return len(self.tokens), len(self._pieces), self.length, self._prefix, self._read
 
     def restore(self, state: tuple) -> None:
-        """Go back to a :meth:`state` snapshot."""
-        length, self.text, self._prefix, self._read = state
-        del self.tokens[length:]
+        """Go back to a :meth:`state` snapshot (taken since the text was last read whole)."""
+        tokens, pieces, self.length, self._prefix, self._read = state
+        del self.tokens[tokens:], self._pieces[pieces:]
 
     def _window(self) -> tuple[str, str]:
         return self.decode(self.tokens[self._prefix: self._read]), self.decode(self.tokens[self._prefix:])
@@ -96,6 +118,7 @@ class StoppingRules:
         self._text = IncrementalText(decode) if self.stop_strings or text_streamer else None
         self._final_text: str | None = None
         self._streamed = 0  # characters of text given to the text streamer
+        self._unstreamed = ""  # settled text not given to it yet
 
     @property
     def finish_reason(self) -> str | None:
@@ -128,7 +151,7 @@ class StoppingRules:
         if self.stop_reason is not None:
             self._finish()
         elif self.text_streamer is not None:
-            self._stream(self._text.text, self._safe_end())
+            self._stream_settled()
         return emitted
 
     def _text_tokens(self, tokens: list[int]) -> list[int]:
@@ -139,43 +162,51 @@ class StoppingRules:
 
     def _read_text(self, emitted: list[int]) -> int:
         """Decode a step's tokens; stop at the first one completing a stop string. Returns how many are kept."""
-        searched = max(len(self._text.text) - max(map(len, self.stop_strings), default=1) + 1, 0)
-        state = self._text.state()
         text_tokens = self._text_tokens(emitted)
-        self._text.extend(text_tokens)
-        if self._first_stop(searched) is None:
+        if not self.stop_strings:
+            self._hold(self._text.extend(text_tokens))
             return len(emitted)
-        self._text.restore(state)  # a stop string completes in this step: find the token that completes it
+        # a stop string completed in this step starts in the step's text or in the settled text's tail
+        recent = self._text.tail(max(map(len, self.stop_strings)) - 1)
+        offset, state = self._text.length - len(recent), self._text.state()
+        piece = self._text.extend(text_tokens)
+        if self._first_stop(recent + piece + self._text.pending()) is None:
+            self._hold(piece)
+            return len(emitted)
+        self._text.restore(state)  # find the token that completes it
         for i, token in enumerate(text_tokens):
-            self._text.extend([token])
-            match = self._first_stop(searched)
+            recent += self._text.extend([token])
+            match = self._first_stop(recent + self._text.pending())
             if match is not None:
                 del self.tokens[len(self.tokens) - len(emitted) + i + 1:]
                 self.stop_reason, self.stop_string = "stop_string", match[1]
-                self._final_text = (self._text.text + self._text.pending())[: match[0]]
+                self._final_text = (self._text.text + self._text.pending())[: offset + match[0]]
                 return i + 1
         raise AssertionError("a stop string seen in a step's text must complete at one of its tokens")
 
-    def _first_stop(self, searched: int) -> tuple[int, str] | None:
-        """``(end, stop string)`` of the earliest-ending stop string in the text past ``searched``."""
-        text = self._text.text + self._text.pending()
-        hits = [(text.find(s, searched) + len(s), s) for s in self.stop_strings if s in text[searched:]]
+    def _first_stop(self, text: str) -> tuple[int, str] | None:
+        """``(end, stop string)`` of the earliest-ending stop string in ``text``."""
+        hits = [(text.find(s) + len(s), s) for s in self.stop_strings if s in text]
         return min(hits) if hits else None
 
-    def _safe_end(self) -> int:
-        """The settled text's length less its longest tail that could still begin a stop string."""
-        text = self._text.text
+    def _hold(self, piece: str) -> None:
+        if self.text_streamer is not None:
+            self._unstreamed += piece
+
+    def _stream_settled(self) -> None:
+        """Stream the settled text but a tail that could still begin a stop string."""
+        text = self._unstreamed
         held = max((k for s in self.stop_strings for k in range(min(len(s) - 1, len(text)), 0, -1)
                     if text.endswith(s[:k])), default=0)
-        return len(text) - held
+        if len(text) > held:
+            self.text_streamer(text[: len(text) - held])
+            self._streamed += len(text) - held
+            self._unstreamed = text[len(text) - held:]
 
     def _finish(self) -> None:
         if self._text is None:  # nobody reads the text as it comes: decode it once, if asked
             return
         self._final_text = self.text
-        self._stream(self._final_text, len(self._final_text))
-
-    def _stream(self, text: str, end: int) -> None:
-        if self.text_streamer is not None and end > self._streamed:
-            self.text_streamer(text[self._streamed: end])
-            self._streamed = end
+        if self.text_streamer is not None and len(self._final_text) > self._streamed:
+            self.text_streamer(self._final_text[self._streamed:])
+            self._streamed = len(self._final_text)
