@@ -108,7 +108,8 @@ def test_drafting_equals_the_training_forward_and_the_cache_follows_the_accepted
     model = make_dflash(target, block_size=5, window=6)
     prompt = random_prompt(9, seed=3)
     drafter = DFlashDrafter(target, DFlashDrafterConfig(lookup_tokens=0, min_path_prob=0.0), model=model)
-    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=25, sampling=SamplingConfig())
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=25, sampling=SamplingConfig())
+    tokens, stats = out.token_ids, out.stats
     assert stats.target_forwards > 1
     committed = torch.cat([prompt, torch.tensor(tokens)])
     features = target_features(target, committed)
@@ -133,7 +134,8 @@ def test_greedy_equals_plain_decoding(arch, block_size, window):
     target = make_target(arch, eos=(), attn_implementation="sdpa")
     drafter = DFlashDrafter(target, DFlashDrafterConfig(lookup_tokens=0, min_path_prob=0.0), model=make_dflash(target, block_size, window))
     prompt = random_prompt(20, seed=2)
-    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    tokens, stats = out.token_ids, out.stats
     assert tokens == reference_greedy(target.model, prompt, 30)
     assert len(stats.drafted_by_position) <= block_size - 1
 
@@ -145,7 +147,8 @@ def test_greedy_with_a_draft_tree_equals_plain_decoding(arch, block_size, tree_t
     config = DFlashDrafterConfig(lookup_tokens=0, min_path_prob=0.0, tree_top_k=tree_top_k, total_tokens=total_tokens)
     drafter = DFlashDrafter(target, config, model=make_dflash(target, block_size, window=8))
     prompt = random_prompt(20, seed=3)
-    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    tokens, stats = out.token_ids, out.stats
     assert tokens == reference_greedy(target.model, prompt, 30)
     assert stats.drafted_tokens > 0
 
@@ -220,7 +223,8 @@ def test_greedy_with_a_dynamic_length_equals_plain_decoding(arch, tree_top_k, mi
     config = DFlashDrafterConfig(tree_top_k=tree_top_k, total_tokens=8, lookup_tokens=0, min_path_prob=min_path_prob)
     drafter = DFlashDrafter(target, config, model=make_dflash(target, block_size=6, window=8))
     prompt = random_prompt(20, seed=3)
-    tokens, _, _ = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    tokens = out.token_ids
     assert tokens == reference_greedy(target.model, prompt, 30)
 
 
@@ -241,7 +245,8 @@ def test_greedy_accepts_when_the_drafter_guesses_right(monkeypatch):
         return Proposal(torch.tensor(truth[done: done + min(5, ctx.max_draft_tokens)], dtype=torch.long))
 
     monkeypatch.setattr(drafter, "propose", oracle)
-    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=40, sampling=SamplingConfig())
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=40, sampling=SamplingConfig())
+    tokens, stats = out.token_ids, out.stats
     assert tokens == truth and stats.mean_accepted_length == 40 / 8  # prefill, then 7 steps of 5 drafts + 1
     drafter._catch_up()
     assert drafter.caches[0].length == prompt.numel() + 40 - 1

@@ -164,7 +164,8 @@ def test_feature_taps_match_the_targets_hidden_states(arch):
 
     prompt = random_prompt(12, seed=3)
     drafter = Tap(target, EagleDrafterConfig(lookup_tokens=0, min_path_prob=0.0, depth=3, tree_top_k=16, total_tokens=20), head=make_head(target))
-    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=20, sampling=SamplingConfig())
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=20, sampling=SamplingConfig())
+    tokens, stats = out.token_ids, out.stats
     committed = torch.cat([prompt, torch.tensor(tokens)])
     taps = torch.cat(seen)
     assert taps.shape[0] == committed.numel() - 1  # every committed position but the last root, once
@@ -266,7 +267,8 @@ def test_head_cache_after_partial_acceptance_equals_a_fresh_run(arch):
     head = make_head(target, window=10)
     prompt = random_prompt(9, seed=11)
     drafter = EagleDrafter(target, EagleDrafterConfig(lookup_tokens=0, min_path_prob=0.0, depth=4, tree_top_k=24, total_tokens=30), head=head)
-    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=24, sampling=SamplingConfig())
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=24, sampling=SamplingConfig())
+    tokens, stats = out.token_ids, out.stats
     partial = [a for a in stats.accepted_lengths if 0 < a]
     assert partial and stats.accepted_tokens < stats.drafted_tokens  # some accepted, some rejected
     committed = torch.cat([prompt, torch.tensor(tokens)])
@@ -290,7 +292,8 @@ def test_greedy_equals_plain_decoding(arch, depth, k, total):
     head = make_head(target, window=8)  # windowed: the prompt and the generation outrun it
     prompt = random_prompt(20, seed=2)
     drafter = EagleDrafter(target, EagleDrafterConfig(lookup_tokens=0, min_path_prob=0.0, depth=depth, tree_top_k=k, total_tokens=total), head=head)
-    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    tokens, stats = out.token_ids, out.stats
     assert tokens == reference_greedy(target.model, prompt, 30)
     assert max(len(stats.drafted_by_position), 1) <= depth
 
@@ -303,8 +306,9 @@ def test_greedy_with_a_dynamic_budget_equals_plain_decoding(arch, min_path_prob)
     head = make_head(target, window=8)
     prompt = random_prompt(20, seed=2)
     config = EagleDrafterConfig(depth=4, tree_top_k=8, total_tokens=16, lookup_tokens=0, min_path_prob=min_path_prob)
-    tokens, _, stats = speculative_generate(target, EagleDrafter(target, config, head=head), prompt,
+    out = speculative_generate(target, EagleDrafter(target, config, head=head), prompt,
                                             max_new_tokens=30, sampling=SamplingConfig())
+    tokens, stats = out.token_ids, out.stats
     assert tokens == reference_greedy(target.model, prompt, 30)
     assert stats.drafted_tokens < 16 * len(stats.accepted_lengths)
 

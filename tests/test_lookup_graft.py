@@ -189,6 +189,7 @@ def test_greedy_with_a_grafted_lookup_equals_plain_decoding(arch, method, monkey
     target = make_target(arch, eos=(), attn_implementation="sdpa")
     prompt = repetitive_prompt(20, period=7, seed=4)
     drafter = _drafters(target, lookup_tokens=6)[method]
-    tokens, _, _ = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    tokens = out.token_ids
     assert tokens == reference_greedy(target.model, prompt, 30)
     assert sum(n > 0 for n in grafted) >= 2  # steps that verified lookup nodes beside the drafter's

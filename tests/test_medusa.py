@@ -167,7 +167,8 @@ def test_greedy_equals_plain_decoding(arch, heads_width):
     heads = make_heads(target, num_heads=num_heads, num_layers=2)
     prompt = random_prompt(20, seed=2)
     drafter = MedusaDrafter(target, MedusaDrafterConfig(lookup_tokens=0, min_path_prob=0.0), heads=heads, tree=wide_tree(num_heads, width))
-    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    tokens, stats = out.token_ids, out.stats
     assert tokens == reference_greedy(target.model, prompt, 30)
     assert stats.drafted_tokens > 0 and max(len(stats.drafted_by_position), 1) <= num_heads
 
@@ -180,7 +181,8 @@ def test_greedy_with_a_dynamic_budget_equals_plain_decoding(arch, min_path_prob)
     prompt = random_prompt(20, seed=2)
     drafter = MedusaDrafter(target, MedusaDrafterConfig(lookup_tokens=0, min_path_prob=min_path_prob), heads=heads,
                             tree=wide_tree(3, 4))
-    tokens, _, _ = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    tokens = out.token_ids
     assert tokens == reference_greedy(target.model, prompt, 30)
 
 
@@ -192,7 +194,8 @@ def test_greedy_accepts_drafts_when_heads_predict_well():
                         torch.arange(target.vocab_size)).double().eval()
     prompt = random_prompt(12, seed=5)
     drafter = MedusaDrafter(target, MedusaDrafterConfig(lookup_tokens=0, min_path_prob=0.0), heads=heads, tree=wide_tree(2, 4))
-    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=40, sampling=SamplingConfig())
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=40, sampling=SamplingConfig())
+    tokens, stats = out.token_ids, out.stats
     assert tokens == reference_greedy(target.model, prompt, 40)
     assert stats.drafted_tokens > 0
 

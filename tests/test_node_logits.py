@@ -128,7 +128,8 @@ def test_greedy_trees_compute_fewer_rows_and_same_tokens(arch, tree_logits_made)
     truth = greedy_continuation(arch, 0, tuple(prompt.tolist()), 30)
     target = _CountingTarget(make_target(arch))
     drafter = RandomTreeDrafter(truth, prompt.numel(), max_nodes=12, seed=5)
-    tokens, _, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=30, sampling=SamplingConfig())
+    tokens, stats = out.token_ids, out.stats
     assert tokens == list(truth)
     assert sum(target.rows) < stats.drafted_tokens + len(stats.accepted_lengths)  # each forward: drafts + root
     assert any(logits.head_calls for logits in tree_logits_made)  # the walk left the first-child path
@@ -147,8 +148,9 @@ def test_sampled_walks_match_all_rows_exactly(rule, penalty, tree_logits_made):
         target = make_target("gemma3")
         target.__dict__["computes_logits_from_hidden"] = lazy  # the cached check, overridden
         drafter = SampledTreeDrafter(parents, level_probs, rule, seed=4)
-        tokens, _, _ = speculative_generate(target, drafter, prompt, max_new_tokens=40, sampling=sampling,
+        out = speculative_generate(target, drafter, prompt, max_new_tokens=40, sampling=sampling,
                                             generator=torch.Generator().manual_seed(7))
+        tokens = out.token_ids
         outputs.append(tokens)
         if lazy and rule != "delta":  # delta siblings past the first are rarely accepted here
             assert any(logits.head_calls for logits in tree_logits_made)

@@ -67,8 +67,9 @@ def test_the_proposals_acceptance_rule_decides(drafter_kind):
         drafter = with_rule(OracleDrafter, rule)(truth, prompt.numel(), 3)
     else:
         drafter = with_rule(RandomTreeDrafter, rule)(truth, prompt.numel(), max_nodes=8, seed=1)
-    tokens, _, stats = speculative_generate(make_target("llama"), drafter, prompt, max_new_tokens=16,
+    out = speculative_generate(make_target("llama"), drafter, prompt, max_new_tokens=16,
                                             sampling=SamplingConfig())
+    tokens, stats = out.token_ids, out.stats
     assert tokens == list(truth)
     assert stats.accepted_tokens == 0 and stats.drafted_tokens > 0
     assert rule.calls == len(stats.accepted_lengths)  # every verification step, chain steps included
@@ -78,8 +79,9 @@ def test_an_oracle_chain_is_accepted_by_the_default_rule():
     """The control for the test above: the same drafter with the default rule gets its drafts accepted."""
     prompt = random_prompt(10, seed=2)
     truth = greedy_continuation("llama", 0, tuple(prompt.tolist()), 16)
-    tokens, _, stats = speculative_generate(make_target("llama"), OracleDrafter(truth, prompt.numel(), 3), prompt,
+    out = speculative_generate(make_target("llama"), OracleDrafter(truth, prompt.numel(), 3), prompt,
                                             max_new_tokens=16, sampling=SamplingConfig())
+    tokens, stats = out.token_ids, out.stats
     assert tokens == list(truth)
     assert stats.accepted_tokens == stats.drafted_tokens > 0
 
@@ -91,7 +93,8 @@ def test_a_rule_that_reads_every_node_gets_every_nodes_logits(rule):
     target = _RowCountingTarget(make_target("gemma3"))
     assert target.computes_logits_from_hidden
     drafter = with_rule(RandomTreeDrafter, rule)(truth, prompt.numel(), max_nodes=10, seed=5)
-    tokens, _, _ = speculative_generate(target, drafter, prompt, max_new_tokens=24, sampling=SamplingConfig())
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=24, sampling=SamplingConfig())
+    tokens = out.token_ids
     assert tokens == list(truth)  # greedy: exact under either rule
     full = [rows == size for size, rows in target.forwards]
     if rule.reads_every_node:

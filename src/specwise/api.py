@@ -92,6 +92,7 @@ def generate(
     seed: int | None = None,
     stop: Sequence[str] = (),
     streamer: Callable[[list[int]], None] | None = None,
+    text_streamer: Callable[[str], None] | None = None,
     **method_options: Any,
 ) -> GenerationResult:
     """Generate text with lossless speculative decoding.
@@ -111,12 +112,19 @@ def generate(
         temperature: 0 for greedy decoding.
         top_k: 0 = off. top_p: in (0, 1]. repetition_penalty: 1 = off.
         seed: seeds the sampling RNG (a ``torch.Generator`` on the target's device).
-        stop: a stop string or several; generation ends once the new text contains one (it is kept).
+        stop: a stop string or several, matched on the new text decoded with special tokens (so
+            ``"<|im_end|>"`` works); generation ends at the token that completes one, and ``text``
+            ends right after it (it is kept).
         streamer: called with each step's new token ids as they are committed.
+        text_streamer: called with each new piece of text (``str``) as stop strings see it
+            (special tokens kept, a final EOS left out); a tail that could still begin a stop
+            string is held back until it cannot, so it never shows text past a stop string. The
+            pieces add up to ``text`` unless special tokens were skipped from it.
         **method_options: the method's options, e.g. ``num_draft_tokens=8``, ``drafter_path=PATH``.
 
     Returns:
-        :class:`GenerationResult` with ``text``, ``token_ids`` and ``stats`` (:class:`SpecStats`).
+        :class:`GenerationResult` with ``text``, ``token_ids``, ``stats`` (:class:`SpecStats`),
+        ``finish_reason`` (``stop`` / ``length`` / ``eos``) and ``stop_string``.
 
     Thread safety: a ``Target`` may serve concurrent calls (each call owns its KV cache and RNG);
     a drafter may not, so give each thread its own.
@@ -161,11 +169,10 @@ def generate(
         else:
             generator.manual_seed(seed)
     with _exclusive(drafter):
-        tokens, stop_reason, stats = speculative_generate(
+        return speculative_generate(
             target, drafter, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-            generator=generator, stop_strings=stop, streamer=streamer,
+            generator=generator, stop_strings=stop, streamer=streamer, text_streamer=text_streamer,
         )
-    return GenerationResult(target.decode(tokens), tokens, stats, stop_reason)
 
 
 def check_seed(seed) -> None:

@@ -106,15 +106,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise DrafterError(f"the drafter {config.drafter_path} does not exist.")
     resolve_device(args.device)
     target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
-    streamer = None if args.json else _TextStreamer(target)
+    streamer = None if args.json else _TextStreamer()
     result = generate(
         target, args.prompt, method=args.method, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
-        streamer=streamer, **options,
+        text_streamer=streamer, **options,
     )
     if args.json:
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                          "stop_string": result.stop_string, "stats": result.stats.to_dict()}))
     else:
         print()
         Console(stderr=False).print(stats_table([result.stats]))
@@ -122,21 +123,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 class _TextStreamer:
-    """Prints new text as tokens are committed (decodes the whole output, prints the new suffix)."""
+    """Prints the text pieces :func:`generate` streams: decoded incrementally, an incomplete
+    character or a possible stop string's beginning held back until it settles, all of it flushed
+    at the end."""
 
-    def __init__(self, target) -> None:
-        self.target = target
-        self.tokens: list[int] = []
-        self.printed = 0
-
-    def __call__(self, token_ids: list[int]) -> None:
-        self.tokens.extend(token_ids)
-        text = self.target.decode(self.tokens)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return
-        sys.stdout.write(text[self.printed:])
+    def __call__(self, text: str) -> None:
+        sys.stdout.write(text)
         sys.stdout.flush()
-        self.printed = len(text)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ chose but has not processed yet, so the KV cache always holds ``len(committed) -
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -22,7 +23,7 @@ from specwise.engine.drafter import Drafter
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.step import verify_chain, verify_proposal
 from specwise.engine.stopping import StoppingRules
-from specwise.engine.types import DraftContext, SpecStats, StepFeedback
+from specwise.engine.types import DraftContext, GenerationResult, SpecStats, StepFeedback
 
 
 def speculative_generate(
@@ -35,7 +36,8 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     stop_strings: Sequence[str] = (),
     streamer: Callable[[list[int]], None] | None = None,
-) -> tuple[list[int], str, SpecStats]:
+    text_streamer: Callable[[str], None] | None = None,
+) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with one drafter.
 
     Args:
@@ -46,16 +48,20 @@ def speculative_generate(
         sampling: greedy or sampling options; the output is distributed exactly as decoding the
             target alone with them (unless the drafter asks for a lossy acceptance rule).
         generator: RNG for sampling and for drafters.
-        stop_strings: generation stops once the decoded new text contains one (it is kept).
+        stop_strings: generation stops at the first token whose text (decoded with special tokens)
+            completes one; the text ends right after it (it is kept).
         streamer: called with each step's committed new token ids.
+        text_streamer: called with each new piece of text; never shown a tail that could still
+            begin a stop string (:class:`specwise.engine.stopping.StoppingRules`).
 
     Returns:
-        ``(new_token_ids, stop_reason, stats)``; stop_reason is ``"length"``, ``"eos"`` or
-        ``"stop_string"``.
+        a :class:`GenerationResult`: ``text``, ``token_ids``, ``stats``, ``stop_reason``
+        (``"length"``, ``"eos"`` or ``"stop_string"``), ``finish_reason`` and ``stop_string``.
     """
     clock = DeviceClock(target.device)
     stats = SpecStats(method=drafter.method or type(drafter).__name__)
-    output = StoppingRules(target.decode, target.eos_token_ids, max_new_tokens, stop_strings)
+    output = StoppingRules(functools.partial(target.decode, special_tokens=True), target.eos_token_ids,
+                           max_new_tokens, stop_strings, text_streamer)
     layers = drafter.target_hidden_layers
     # committed tokens: a step emits at most budget + 1 tokens (chains are cut and trees pruned to the
     # budget), so prompt + max_new_tokens always suffices
@@ -105,7 +111,8 @@ def speculative_generate(
     stats.verify_time_s += stats.prefill_time_s
     stats.new_tokens = len(output.tokens)
     stats.wall_time_s = clock.now() - start
-    return output.tokens, output.stop_reason, stats
+    text = output.text if output.stop_string is not None else target.decode(output.tokens)
+    return GenerationResult(text, output.tokens, stats, output.stop_reason, output.stop_string)
 
 
 def _stream(emitted: list[int], streamer: Callable[[list[int]], None] | None) -> None:

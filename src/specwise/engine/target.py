@@ -116,9 +116,9 @@ class Target:
         ids = self.tokenizer(text, return_tensors="pt").input_ids[0]
         return ids.to(self.device)
 
-    def decode(self, token_ids) -> str:
-        """Decode token ids to text, special tokens skipped."""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids, special_tokens: bool = False) -> str:
+        """Decode token ids to text, special tokens skipped unless ``special_tokens``."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=not special_tokens)
 
     @torch.inference_mode()
     def forward(

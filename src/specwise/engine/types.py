@@ -211,14 +211,23 @@ class GenerationResult:
     """The output of :func:`specwise.generate`.
 
     Attributes:
-        text: the decoded new tokens (special tokens skipped).
-        token_ids: the new token ids, EOS included when generation stopped on it.
+        text: the decoded new tokens, special tokens skipped; when a stop string ended generation,
+            the text it was matched on (special tokens kept), ending right after the stop string.
+        token_ids: the new token ids, EOS included when generation stopped on it, and up to and
+            including the token that completed a stop string.
         stats: the run's :class:`SpecStats`.
         stop_reason: ``"length"``, ``"eos"`` or ``"stop_string"``.
+        stop_string: the stop string that ended generation, else ``None``.
     """
 
     text: str
     token_ids: list[int]
     stats: SpecStats
     stop_reason: str
+    stop_string: str | None = None
+
+    @property
+    def finish_reason(self) -> str:
+        """``"stop"`` (a stop string), ``"length"`` or ``"eos"``."""
+        return {"stop_string": "stop"}.get(self.stop_reason, self.stop_reason)
 
