@@ -113,14 +113,16 @@ def process_logits(
 
 
 def nucleus(scores: torch.Tensor, top_p: float, first_k: int = 1024) -> torch.Tensor:
-    """Which tokens top-p (nucleus) sampling keeps (Holtzman et al. 2020; Hugging Face's rule).
+    """Which tokens top-p (nucleus) sampling keeps (Holtzman et al. 2020), by a rule of each row alone.
 
-    A token is kept iff the probability mass of the tokens ranked above it is below ``top_p``, so
-    the most likely token always is. Only the ``first_k`` most likely tokens are sorted (a partial
-    sort), growing eightfold at a time until they hold ``top_p`` of the mass: a nucleus rarely holds
-    more than a few hundred tokens, and a full sort of a large vocabulary costs many times more per
-    row on CPU (measured on the target CPU; see docs/notes/loop.md). The kept set equals a full
-    sort's in float64; in float32 the token at the boundary can round either way.
+    Tokens are ranked by probability, ties by token id (lower first); a token is kept iff the
+    probability mass ranked above it (summed in float64) is below ``top_p``, so the most likely
+    token always is. The rule never looks at the other rows, so a position gets the same nucleus
+    whether it is verified alone or batched with others. Only the ``first_k`` most likely tokens
+    are sorted (a partial sort), growing eightfold at a time until they hold ``top_p`` of the mass
+    and every token tied at the least kept probability: a nucleus rarely holds more than a few
+    hundred tokens, and a full sort of a large vocabulary costs many times more per row on CPU
+    (see docs/notes/loop.md). Only the tied tokens are then sorted by id.
 
     Args:
         scores: ``[N, V]`` float scores (temperature and top-k already applied; ``-inf`` = masked).
@@ -134,15 +136,26 @@ def nucleus(scores: torch.Tensor, top_p: float, first_k: int = 1024) -> torch.Te
     vocab = scores.shape[-1]
     k = min(first_k, vocab)
     while True:
-        top, order = probs.topk(k, dim=-1)  # shape: [N, k], descending
-        cumulative = top.cumsum(-1)
-        if k == vocab or bool((cumulative[..., -1] >= top_p).all()):
+        top, order = probs.topk(k, dim=-1)  # shape: [N, k], descending; ties in any order
+        cumulative = top.to(torch.float64).cumsum(-1)  # the same whatever the tie order
+        num_kept = ((cumulative - top) < top_p).sum(-1, keepdim=True)  # shape: [N, 1], >= 1
+        boundary = top.gather(-1, num_kept - 1)  # shape: [N, 1], the least kept probability
+        ties_from = (top > boundary).sum(-1, keepdim=True)  # window positions [ties_from, ties_to)
+        ties_to = (top >= boundary).sum(-1, keepdim=True)  # hold the tokens tied at the boundary
+        done = ((cumulative[..., -1:] >= top_p) & (ties_to < k)).all()
+        done, width = torch.stack([done.to(ties_to.dtype), (ties_to - ties_from).max()]).tolist()  # one sync
+        if done or k == vocab:
             break
         k = min(8 * k, vocab)
-    keep_sorted = (cumulative - top) < top_p  # mass ranked above each token
-    keep_sorted[..., 0] = True
-    keep = torch.zeros_like(probs, dtype=torch.bool)
-    return keep.scatter_(-1, order, keep_sorted)
+    # keep the window above the boundary, then the lowest ids among the tied tokens
+    # (an extra column takes the tied tokens left out)
+    keep = torch.zeros(probs.shape[0], vocab + 1, dtype=torch.bool, device=probs.device)
+    columns = torch.arange(max(k, width), device=probs.device)
+    keep.scatter_(-1, order, columns[:k] < ties_from)
+    span = ties_from + columns[:width]  # shape: [N, width]
+    tied_ids = torch.where(span < ties_to, order.gather(-1, span.clamp(max=k - 1)), vocab).sort(-1).values
+    keep.scatter_(-1, torch.where(columns[:width] < num_kept - ties_from, tied_ids, vocab), True)
+    return keep[:, :vocab]
 
 
 def probs_from_scores(scores: torch.Tensor) -> torch.Tensor:
