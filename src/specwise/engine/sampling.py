@@ -12,7 +12,20 @@ from dataclasses import dataclass
 
 import torch
 
-from specwise.errors import ConfigError
+from specwise.errors import ConfigError, SpecwiseError
+
+
+class NonFiniteDistributionError(SpecwiseError, ArithmeticError):
+    """A distribution to choose a token from holds NaN or inf (or no mass): no token is emitted."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        if dtype == torch.float16:
+            cause = "float16 overflows beyond 65504, so load the model in bfloat16 or float32"
+        else:
+            cause = "the model's forward or the sampling options (a tiny temperature, a huge penalty) overflowed"
+        super().__init__(f"The distribution to choose the next token from is not finite (NaN or inf) "
+                         f"with {str(dtype).removeprefix('torch.')} logits: {cause}.")
+        self.dtype = dtype
 
 
 @dataclass(frozen=True)
@@ -158,6 +171,20 @@ def nucleus(scores: torch.Tensor, top_p: float, first_k: int = 1024) -> torch.Te
     return keep[:, :vocab]
 
 
+def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, or -1 where the row's largest score is not finite (NaN or inf).
+
+    Args:
+        scores: ``[N, V]`` float scores or raw logits.
+
+    Returns:
+        ``[N]`` long; -1 marks a row no token may be chosen from (no host sync here: callers see it
+        when they read the tokens).
+    """
+    best, tokens = scores.max(dim=-1)
+    return tokens.masked_fill_(~torch.isfinite(best), -1)
+
+
 def probs_from_scores(scores: torch.Tensor) -> torch.Tensor:
     """Softmax over the last axis. ``[N, V]`` scores -> ``[N, V]`` probabilities (same dtype)."""
     return torch.softmax(scores, dim=-1)
@@ -166,11 +193,19 @@ def probs_from_scores(scores: torch.Tensor) -> torch.Tensor:
 def sample_token(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """Draw one token id from a ``[V]`` probability vector (need not be normalised).
 
-    Inverse-CDF sampling: one uniform number and a float64 cumulative sum. Exact up to float64
-    rounding, never returns a zero-probability token, and faster on CPU than ``torch.multinomial``
-    for a large vocabulary, which draws V random numbers (measured on the target CPU; see
-    docs/notes/loop.md).
+    Inverse-CDF sampling: one float64 uniform number and a float64 cumulative sum. Exact up to
+    float64 rounding, never returns a zero-probability token, and faster on CPU than
+    ``torch.multinomial`` for a large vocabulary, which draws V random numbers (see
+    docs/notes/loop.md). The drawn index and the total mass reach the host in one transfer.
+
+    Raises:
+        NonFiniteDistributionError: ``probs`` holds NaN or inf, or has no mass (named by its dtype;
+            callers that know the logits' dtype re-raise with it).
     """
     cdf = probs.to(torch.float64).cumsum(0)
     u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
-    return int(torch.searchsorted(cdf, u[None], right=True).clamp_(max=probs.numel() - 1))
+    index = torch.searchsorted(cdf, u[None], right=True).clamp_(max=probs.numel() - 1)
+    index, total = torch.cat([index.to(torch.float64), cdf[-1:]]).tolist()  # one sync
+    if not 0.0 < total < float("inf"):
+        raise NonFiniteDistributionError(probs.dtype)
+    return int(index)
