@@ -71,3 +71,61 @@ def test_verify_tree_refuses_overflowed_logits_naming_the_dtype(sampling):
         verify_tree(_overflowed_logits(3), tree, None, "delta", torch.tensor([1]), sampling,
                     torch.Generator().manual_seed(0))
 
+
+# ------------------------------------------------------------------------------------------
+# acceptance uniforms in float64
+
+
+def _seed_with_a_tiny_uniform(below: float, chunk: int = 1 << 22) -> tuple[int, float]:
+    """``(draws_before, u)``: the first float64 uniform below ``below`` of a generator seeded 0."""
+    generator = torch.Generator().manual_seed(0)
+    offset = 0
+    while True:
+        draws = torch.rand(chunk, generator=generator, dtype=torch.float64)
+        hits = (draws < below).nonzero()
+        if hits.numel():
+            index = int(hits[0])
+            return offset + index, float(draws[index])
+        offset += chunk
+
+
+def _generator_before(draws_before: int, u: float, chunk: int = 1 << 22) -> torch.Generator:
+    generator = torch.Generator().manual_seed(0)
+    for size in [chunk] * (draws_before // chunk) + [draws_before % chunk]:
+        torch.rand(size, generator=generator, dtype=torch.float64)
+    probe = torch.Generator().set_state(generator.get_state())
+    assert float(torch.rand((), generator=probe, dtype=torch.float64)) == u  # the stream is sequential
+    return generator
+
+
+@pytest.fixture(scope="module")
+def tiny_uniform() -> tuple[int, float]:
+    return _seed_with_a_tiny_uniform(2.0**-25)
+
+
+def _probs_with(token: int, mass: float) -> torch.Tensor:
+    probs = torch.full((V,), (1.0 - mass) / (V - 1), dtype=torch.float32)  # as process_logits gives
+    probs[token] = mass
+    return probs
+
+
+def test_a_draft_below_float32_resolution_is_accepted_when_the_uniform_is_below_it(tiny_uniform):
+    # p(x) = 2u < 2^-24: a float32 uniform (a multiple of 2^-24) is below it only when it is 0
+    from specwise.engine.verify import speculative_sample
+
+    draws_before, u = tiny_uniform
+    target_probs = torch.stack([_probs_with(3, 2 * u), _probs_with(0, 0.5)])
+    generator = _generator_before(draws_before, u)
+    num_accepted, _ = speculative_sample(torch.tensor([3]), target_probs, None, generator)
+    assert num_accepted == 1
+
+
+def test_a_tree_draft_below_float32_resolution_is_accepted_when_the_uniform_is_below_it(tiny_uniform):
+    from specwise.engine.verify import tree_speculative_sample
+
+    draws_before, u = tiny_uniform
+    target_probs = torch.stack([_probs_with(3, 2 * u), _probs_with(0, 0.5)])
+    generator = _generator_before(draws_before, u)
+    path, _ = tree_speculative_sample(((1,), ()), [1, 3], target_probs, None, "delta", generator)
+    assert path == [1]
+
