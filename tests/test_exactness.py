@@ -129,3 +129,49 @@ def test_a_tree_draft_below_float32_resolution_is_accepted_when_the_uniform_is_b
     path, _ = tree_speculative_sample(((1,), ()), [1, 3], target_probs, None, "delta", generator)
     assert path == [1]
 
+
+# ------------------------------------------------------------------------------------------
+# custom proposals with stochastic sibling rules
+
+
+def _q(*masses: tuple[int, float]) -> torch.Tensor:
+    row = torch.zeros(V)
+    for token, mass in masses:
+        row[token] = mass
+    return row
+
+
+@pytest.mark.parametrize("rule, tokens, draft_probs, message", [
+    # a drafted token the draft distribution gives no mass: p(x) / q(x) is infinite
+    ("iid", (3, 4), (_q((3, 0.5), (5, 0.5)), _q((3, 0.5), (5, 0.5))), "probability 0"),
+    # the same token twice among siblings drawn without replacement
+    ("without_replacement", (3, 3), (_q((3, 0.5), (5, 0.5)), _q((3, 0.5), (5, 0.5))), "twice"),
+    # the first sibling took all of q: nothing is left to draw the second from
+    ("without_replacement", (3, 5), (_q((3, 1.0)), _q((3, 1.0))), "probability 0"),
+])
+def test_a_stochastic_sibling_rule_refuses_an_impossible_proposal(rule, tokens, draft_probs, message):
+    from specwise.engine.types import Proposal
+    from specwise.errors import DrafterError
+
+    with pytest.raises(DrafterError, match=message):
+        Proposal(torch.tensor(tokens), draft_probs=torch.stack(draft_probs), parents=torch.tensor([0, 0]),
+                 sibling_rule=rule)
+
+
+def test_a_stochastic_sibling_rule_needs_draft_probs_and_a_known_name():
+    from specwise.engine.types import Proposal
+    from specwise.errors import DrafterError
+
+    with pytest.raises(DrafterError, match="draft_probs"):
+        Proposal(torch.tensor([3, 4]), parents=torch.tensor([0, 0]), sibling_rule="iid")
+    with pytest.raises(DrafterError, match="sibling rule"):
+        Proposal(torch.tensor([3, 4]), parents=torch.tensor([0, 0]), sibling_rule="shuffled")
+
+
+def test_a_possible_stochastic_proposal_is_accepted():
+    from specwise.engine.types import Proposal
+
+    q = _q((3, 0.5), (5, 0.5))
+    Proposal(torch.tensor([3, 5]), draft_probs=torch.stack([q, q]), parents=torch.tensor([0, 0]),
+             sibling_rule="without_replacement")
+    Proposal(torch.tensor([3, 3]), draft_probs=torch.stack([q, q]), parents=torch.tensor([0, 0]), sibling_rule="iid")
