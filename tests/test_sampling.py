@@ -127,3 +127,45 @@ def test_partial_sort_nucleus_equals_the_full_sort(first_k, top_p):
     expected = torch.zeros_like(kept).scatter(-1, order, expected_sorted)
     assert torch.equal(kept, expected)
     assert kept.sum(-1).min() >= 1
+
+
+def _nucleus_by_definition(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``[V]`` scores -> ``[V]`` kept: rank by probability (descending), ties by token id (ascending);
+    keep a token iff the mass ranked above it is below ``top_p``."""
+    probs = scores.softmax(-1)
+    order = sorted(range(probs.numel()), key=lambda i: (-float(probs[i]), i))
+    kept = torch.zeros(probs.numel(), dtype=torch.bool)
+    above = 0.0
+    for i in order:
+        if above >= top_p and i != order[0]:
+            break
+        kept[i] = True
+        above += float(probs[i])
+    return kept
+
+
+@given(
+    st.lists(st.integers(0, 3), min_size=40, max_size=40),
+    st.sampled_from([0.3, 0.5, 0.8, 0.95]),
+    st.sampled_from([1, 2, 5]),
+    st.sampled_from([torch.float32, torch.float64]),
+)
+def test_nucleus_of_a_row_does_not_depend_on_the_other_rows(levels, top_p, first_k, dtype):
+    # few distinct logits, so ties at the boundary are the rule; a flat row grows the partial sort
+    row = torch.tensor(levels, dtype=dtype)
+    flat = torch.zeros_like(row)
+    alone = nucleus(row[None], top_p, first_k=first_k)[0]
+    batched = nucleus(torch.stack([flat, row, flat]), top_p, first_k=first_k)[1]
+    assert torch.equal(alone, batched)
+    assert torch.equal(alone, _nucleus_by_definition(row, top_p))
+
+
+def test_nucleus_boundary_is_batch_invariant_for_a_large_bf16_vocabulary():
+    # the issue's repro: V = 262,144 bf16-rounded logits, top_p = 0.95, one row alone vs. batched
+    # with a flat row; tied logits at the boundary must not swap in and out
+    generator = torch.Generator().manual_seed(0)
+    row = (torch.randn(262_144, generator=generator) * 4.0).to(torch.bfloat16)
+    config = SamplingConfig(temperature=1.0, top_p=0.95)
+    alone = process_logits(row[None], config)[0]
+    batched = process_logits(torch.stack([torch.zeros_like(row), row]), config)[1]
+    assert torch.equal(torch.isfinite(alone), torch.isfinite(batched))

@@ -16,7 +16,7 @@ from typing import Callable, ClassVar
 import torch
 
 from specwise.engine.node_logits import NodeValues, first_child_path
-from specwise.engine.sampling import SamplingConfig, probs_from_scores
+from specwise.engine.sampling import SamplingConfig, greedy_tokens, probs_from_scores
 from specwise.engine.tree import DraftTree
 from specwise.engine.verify import greedy_tree_accept, tree_speculative_sample
 
@@ -57,7 +57,9 @@ class AcceptanceRule(ABC):
 
         Returns:
             ``(path, next_token)``: accepted node indices (root excluded), in order, and the
-            token after the last of them (the correction / bonus token, the next root).
+            token after the last of them (the correction / bonus token, the next root); -1, or
+            :class:`~specwise.engine.sampling.NonFiniteDistributionError`, where that token would
+            come from a non-finite distribution.
         """
 
 
@@ -73,7 +75,7 @@ class ExactAcceptance(AcceptanceRule):
         tokens = tree.tokens.tolist()
         along_path = partial(first_child_path, tree.children)
         if sampling.is_greedy:
-            argmax = NodeValues(lambda nodes: scores(nodes).argmax(dim=-1).tolist(), along_path)
+            argmax = NodeValues(lambda nodes: greedy_tokens(scores(nodes)).tolist(), along_path)
             return greedy_tree_accept(tree.children, tokens, argmax)
         probs = NodeValues(lambda nodes: probs_from_scores(scores(nodes)), along_path)
         node_probs = None if draft_probs is None else torch.cat([draft_probs[:1], draft_probs])  # row 0 unused

@@ -13,7 +13,20 @@ from dataclasses import dataclass
 
 import torch
 
-from specwise.errors import ConfigError
+from specwise.errors import ConfigError, SpecwiseError
+
+
+class NonFiniteDistributionError(SpecwiseError, ArithmeticError):
+    """A distribution to choose a token from holds NaN or inf (or no mass): no token is emitted."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        if dtype == torch.float16:
+            cause = "float16 overflows beyond 65504, so load the model in bfloat16 or float32"
+        else:
+            cause = "the model's forward or the sampling options (a tiny temperature, a huge penalty) overflowed"
+        super().__init__(f"The distribution to choose the next token from is not finite (NaN or inf) "
+                         f"with {str(dtype).removeprefix('torch.')} logits: {cause}.")
+        self.dtype = dtype
 
 #: temperatures allowed besides 0: below, logits / temperature overflows float32 to inf (and the
 #: softmax to NaN); above, the distribution is uniform to within rounding
@@ -126,14 +139,16 @@ def process_logits(
 
 
 def nucleus(scores: torch.Tensor, top_p: float, first_k: int = 1024) -> torch.Tensor:
-    """Which tokens top-p (nucleus) sampling keeps (Holtzman et al. 2020; Hugging Face's rule).
+    """Which tokens top-p (nucleus) sampling keeps (Holtzman et al. 2020), by a rule of each row alone.
 
-    A token is kept iff the probability mass of the tokens ranked above it is below ``top_p``, so
-    the most likely token always is. Only the ``first_k`` most likely tokens are sorted (a partial
-    sort), growing eightfold at a time until they hold ``top_p`` of the mass: a nucleus rarely holds
-    more than a few hundred tokens, and a full sort of a large vocabulary costs many times more per
-    row on CPU (measured on the target CPU; see docs/notes/loop.md). The kept set equals a full
-    sort's in float64; in float32 the token at the boundary can round either way.
+    Tokens are ranked by probability, ties by token id (lower first); a token is kept iff the
+    probability mass ranked above it (summed in float64) is below ``top_p``, so the most likely
+    token always is. The rule never looks at the other rows, so a position gets the same nucleus
+    whether it is verified alone or batched with others. Only the ``first_k`` most likely tokens
+    are sorted (a partial sort), growing eightfold at a time until they hold ``top_p`` of the mass
+    and every token tied at the least kept probability: a nucleus rarely holds more than a few
+    hundred tokens, and a full sort of a large vocabulary costs many times more per row on CPU
+    (see docs/notes/loop.md). Only the tied tokens are then sorted by id.
 
     Args:
         scores: ``[N, V]`` float scores (temperature and top-k already applied; ``-inf`` = masked).
@@ -147,15 +162,40 @@ def nucleus(scores: torch.Tensor, top_p: float, first_k: int = 1024) -> torch.Te
     vocab = scores.shape[-1]
     k = min(first_k, vocab)
     while True:
-        top, order = probs.topk(k, dim=-1)  # shape: [N, k], descending
-        cumulative = top.cumsum(-1)
-        if k == vocab or bool((cumulative[..., -1] >= top_p).all()):
+        top, order = probs.topk(k, dim=-1)  # shape: [N, k], descending; ties in any order
+        cumulative = top.to(torch.float64).cumsum(-1)  # the same whatever the tie order
+        num_kept = ((cumulative - top) < top_p).sum(-1, keepdim=True)  # shape: [N, 1], >= 1
+        boundary = top.gather(-1, num_kept - 1)  # shape: [N, 1], the least kept probability
+        ties_from = (top > boundary).sum(-1, keepdim=True)  # window positions [ties_from, ties_to)
+        ties_to = (top >= boundary).sum(-1, keepdim=True)  # hold the tokens tied at the boundary
+        done = ((cumulative[..., -1:] >= top_p) & (ties_to < k)).all()
+        done, width = torch.stack([done.to(ties_to.dtype), (ties_to - ties_from).max()]).tolist()  # one sync
+        if done or k == vocab:
             break
         k = min(8 * k, vocab)
-    keep_sorted = (cumulative - top) < top_p  # mass ranked above each token
-    keep_sorted[..., 0] = True
-    keep = torch.zeros_like(probs, dtype=torch.bool)
-    return keep.scatter_(-1, order, keep_sorted)
+    # keep the window above the boundary, then the lowest ids among the tied tokens
+    # (an extra column takes the tied tokens left out)
+    keep = torch.zeros(probs.shape[0], vocab + 1, dtype=torch.bool, device=probs.device)
+    columns = torch.arange(max(k, width), device=probs.device)
+    keep.scatter_(-1, order, columns[:k] < ties_from)
+    span = ties_from + columns[:width]  # shape: [N, width]
+    tied_ids = torch.where(span < ties_to, order.gather(-1, span.clamp(max=k - 1)), vocab).sort(-1).values
+    keep.scatter_(-1, torch.where(columns[:width] < num_kept - ties_from, tied_ids, vocab), True)
+    return keep[:, :vocab]
+
+
+def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, or -1 where the row's largest score is not finite (NaN or inf).
+
+    Args:
+        scores: ``[N, V]`` float scores or raw logits.
+
+    Returns:
+        ``[N]`` long; -1 marks a row no token may be chosen from (no host sync here: callers see it
+        when they read the tokens).
+    """
+    best, tokens = scores.max(dim=-1)
+    return tokens.masked_fill_(~torch.isfinite(best), -1)
 
 
 def probs_from_scores(scores: torch.Tensor) -> torch.Tensor:
@@ -166,11 +206,19 @@ def probs_from_scores(scores: torch.Tensor) -> torch.Tensor:
 def sample_token(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """Draw one token id from a ``[V]`` probability vector (need not be normalised).
 
-    Inverse-CDF sampling: one uniform number and a float64 cumulative sum. Exact up to float64
-    rounding, never returns a zero-probability token, and faster on CPU than ``torch.multinomial``
-    for a large vocabulary, which draws V random numbers (measured on the target CPU; see
-    docs/notes/loop.md).
+    Inverse-CDF sampling: one float64 uniform number and a float64 cumulative sum. Exact up to
+    float64 rounding, never returns a zero-probability token, and faster on CPU than
+    ``torch.multinomial`` for a large vocabulary, which draws V random numbers (see
+    docs/notes/loop.md). The drawn index and the total mass reach the host in one transfer.
+
+    Raises:
+        NonFiniteDistributionError: ``probs`` holds NaN or inf, or has no mass (named by its dtype;
+            callers that know the logits' dtype re-raise with it).
     """
     cdf = probs.to(torch.float64).cumsum(0)
     u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
-    return int(torch.searchsorted(cdf, u[None], right=True).clamp_(max=probs.numel() - 1))
+    index = torch.searchsorted(cdf, u[None], right=True).clamp_(max=probs.numel() - 1)
+    index, total = torch.cat([index.to(torch.float64), cdf[-1:]]).tolist()  # one sync
+    if not 0.0 < total < float("inf"):
+        raise NonFiniteDistributionError(probs.dtype)
+    return int(index)

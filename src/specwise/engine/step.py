@@ -22,7 +22,14 @@ import torch
 from specwise.engine.acceptance import EXACT, AcceptanceRule, ExactAcceptance
 from specwise.engine.cache import KVCache
 from specwise.engine.node_logits import TreeLogits, first_child_path
-from specwise.engine.sampling import SamplingConfig, prefix_token_masks, probs_from_scores, process_logits
+from specwise.engine.sampling import (
+    NonFiniteDistributionError,
+    SamplingConfig,
+    greedy_tokens,
+    prefix_token_masks,
+    probs_from_scores,
+    process_logits,
+)
 from specwise.engine.target import AttentionLayout
 from specwise.engine.tree import DraftTree
 from specwise.engine.types import AuxiliaryTokens, Proposal
@@ -50,13 +57,24 @@ def verify_chain(
 
     Returns:
         ``(num_accepted, next_token)``.
+
+    Raises:
+        NonFiniteDistributionError: the distribution a token would come from is not finite (NaN or
+            inf logits, e.g. a float16 overflow); named by the logits' dtype.
     """
     seen = prefix_token_masks(context_ids, draft_tokens, logits.shape[-1]) if sampling.uses_history else None
-    if sampling.is_greedy:
-        scores = logits if seen is None else process_logits(logits, sampling, seen)
-        return greedy_accept(draft_tokens, scores.argmax(dim=-1))
-    probs = probs_from_scores(process_logits(logits, sampling, seen))
-    return speculative_sample(draft_tokens, probs, draft_probs, generator)
+    try:
+        if sampling.is_greedy:
+            scores = logits if seen is None else process_logits(logits, sampling, seen)
+            num_accepted, next_token = greedy_accept(draft_tokens, greedy_tokens(scores))
+        else:
+            probs = probs_from_scores(process_logits(logits, sampling, seen))
+            num_accepted, next_token = speculative_sample(draft_tokens, probs, draft_probs, generator)
+    except NonFiniteDistributionError:
+        next_token = -1
+    if next_token < 0:  # a non-finite row was reached
+        raise NonFiniteDistributionError(logits.dtype)
+    return num_accepted, next_token
 
 
 def verify_tree(
@@ -84,6 +102,10 @@ def verify_tree(
 
     Returns:
         ``(path, next_token)``: accepted node indices (root excluded) and the next root.
+
+    Raises:
+        NonFiniteDistributionError: the distribution a token would come from is not finite (NaN or
+            inf logits, e.g. a float16 overflow); named by the logits' dtype.
     """
     rows = logits if isinstance(logits, TreeLogits) else TreeLogits.complete(logits)
     seen = None
@@ -98,7 +120,13 @@ def verify_tree(
     def scores(nodes: list[int]) -> torch.Tensor:  # shape: [len(nodes), V]
         return process_logits(rows.rows(nodes), sampling, None if seen is None else seen[nodes])
 
-    return acceptance.accept_tree(tree, scores, draft_probs, sibling_rule, sampling, generator)
+    try:
+        path, next_token = acceptance.accept_tree(tree, scores, draft_probs, sibling_rule, sampling, generator)
+    except NonFiniteDistributionError:
+        next_token = -1
+    if next_token < 0:  # a non-finite row was reached
+        raise NonFiniteDistributionError(rows.rows([0]).dtype)
+    return path, next_token
 
 
 @dataclass(frozen=True)

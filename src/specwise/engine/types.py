@@ -8,6 +8,8 @@ import torch
 
 from specwise.engine.acceptance import EXACT, AcceptanceRule
 from specwise.engine.sampling import SamplingConfig
+from specwise.engine.verify import SIBLING_RULES
+from specwise.errors import DrafterError
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,39 @@ class Proposal:
     sibling_rule: str = "delta"
     auxiliary: AuxiliaryTokens | None = None
     acceptance: AcceptanceRule = EXACT
+
+    def __post_init__(self) -> None:
+        """Refuse a stochastic sibling rule whose acceptance ratios p(x) / q(x) would be undefined.
+
+        Raises:
+            DrafterError: an unknown rule; ``"iid"`` or ``"without_replacement"`` without
+                ``draft_probs``; a drafted token its own q gives probability 0 (which also catches
+                siblings that exhaust q); or the same token twice among siblings drawn without
+                replacement (distinct siblings with q(x) > 0 always leave mass to draw from). Deterministic (``"delta"``) proposals, which
+                every built-in drafter makes, are not read, so the hot path pays nothing.
+        """
+        if self.sibling_rule == "delta":
+            return
+        if self.sibling_rule not in SIBLING_RULES:
+            raise DrafterError(f"Unknown sibling rule {self.sibling_rule!r}; use one of {', '.join(SIBLING_RULES)}.")
+        if self.draft_probs is None:
+            raise DrafterError(f"A proposal with sibling rule {self.sibling_rule!r} needs draft_probs, "
+                               "the distribution each token was drawn from.")
+        tokens = self.tokens.tolist()
+        parents = [0] * len(tokens) if self.parents is None else self.parents.tolist()
+        q_of_draft = self.draft_probs[torch.arange(len(tokens), device=self.tokens.device), self.tokens]
+        if self.sibling_rule == "without_replacement":
+            drawn: dict[int, list[int]] = {}  # parent -> its children's tokens so far
+            for token, parent in zip(tokens, parents):
+                earlier = drawn.setdefault(parent, [])
+                if token in earlier:
+                    raise DrafterError(f"Draft token {token} appears twice among siblings drawn without "
+                                       "replacement.")
+                earlier.append(token)
+        if not bool((q_of_draft > 0).all()):
+            bad = tokens[int((q_of_draft > 0).logical_not().nonzero()[0])]
+            raise DrafterError(f"Draft token {bad} has probability 0 under the distribution it was drawn from "
+                               f"(sibling rule {self.sibling_rule!r}), so its acceptance ratio is undefined.")
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> "Proposal":

@@ -96,7 +96,9 @@ def speculative_sample(
     else:
         q_of_draft = draft_probs[rows, draft_tokens]  # shape: [K]
         ratio = (p_of_draft / q_of_draft).clamp(max=1.0)
-    uniforms = torch.rand(k, generator=generator, dtype=ratio.dtype, device=ratio.device)
+    # float64, as sample_token draws: a float32 uniform is a multiple of 2^-24, so p(x) below that would
+    # be accepted almost never
+    uniforms = torch.rand(k, generator=generator, dtype=torch.float64, device=ratio.device)
     accepted = (uniforms < ratio).to(torch.int64)
     num_accepted = int(accepted.cumprod(0).sum())
     if num_accepted == k:
@@ -190,7 +192,7 @@ def tree_speculative_sample(
                     q[node_tokens[earlier]] = 0.0
                 q = q / q.sum()
             ratio = residual[token] if q is None else (residual[token] / q[token]).clamp(max=1.0)
-            if float(torch.rand((), generator=generator, dtype=residual.dtype, device=residual.device)) < float(ratio):
+            if float(torch.rand((), generator=generator, dtype=torch.float64, device=residual.device)) < float(ratio):
                 accepted = child
                 break
             residual = residual_distribution(residual, q, token)
