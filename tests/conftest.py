@@ -16,13 +16,7 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerFast,
-)
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specwise.drafters.base import Drafter
 from specwise.engine.target import Target

@@ -30,12 +30,7 @@ from specwise.lab.bench.report import markdown_report, rich_table
 from specwise.lab.bench.sweep import Sweep
 from specwise.lab.demo import run_demo
 from specwise.lab.report import stats_table
-from specwise.prompts import (
-    default_prompt_records,
-    is_held_out,
-    load_prompts,
-    take_per_category,
-)
+from specwise.prompts import default_prompt_records, is_held_out, load_prompts, take_per_category
 from specwise.training.cli import add_data_args, add_export_args, add_train_args
 
 DEFAULT_TARGET = "gemma-3-270m"

@@ -4,13 +4,7 @@ method registers itself in ``METHODS``: a new method is one new file here, with 
 import importlib
 import pkgutil
 
-from specwise.drafters.base import (
-    METHODS,
-    Drafter,
-    DraftingConfig,
-    MethodConfig,
-    register_drafter,
-)
+from specwise.drafters.base import METHODS, Drafter, DraftingConfig, MethodConfig, register_drafter
 
 for _module in sorted(info.name for info in pkgutil.iter_modules(__path__)):
     importlib.import_module(f"{__name__}.{_module}")

@@ -43,12 +43,7 @@ from typing import ClassVar
 
 import torch
 
-from specwise.drafters.base import (
-    check_int,
-    check_probability_threshold,
-    register_drafter,
-    warn_renamed,
-)
+from specwise.drafters.base import check_int, check_probability_threshold, register_drafter, warn_renamed
 from specwise.drafters.checkpoint import load_vocabulary_module
 from specwise.drafters.trained import (
     DrafterModule,

@@ -31,12 +31,7 @@ from specwise.drafters.base import Drafter, DraftingConfig, check_probability, r
 from specwise.drafters.checkpoint import is_checkpoint, load_checkpoint, shipped_drafter
 from specwise.engine.cache import KVCache
 from specwise.engine.loading import load_model_and_tokenizer
-from specwise.engine.sampling import (
-    prefix_token_masks,
-    probs_from_scores,
-    process_logits,
-    sample_token,
-)
+from specwise.engine.sampling import prefix_token_masks, probs_from_scores, process_logits, sample_token
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import DrafterError
 from specwise.models.draft_lm import DraftLM, DraftLMConfig

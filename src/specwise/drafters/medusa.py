@@ -28,12 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specwise.drafters.base import (
-    check_int,
-    check_probability,
-    check_probability_threshold,
-    register_drafter,
-)
+from specwise.drafters.base import check_int, check_probability, check_probability_threshold, register_drafter
 from specwise.drafters.checkpoint import load_vocabulary_module
 from specwise.drafters.trained import (
     DrafterModule,
@@ -45,11 +40,7 @@ from specwise.drafters.trained import (
 from specwise.engine.acceptance import EXACT
 from specwise.engine.lossy import TypicalAcceptance
 from specwise.engine.tree import DraftTree, best_nodes_tree, log_threshold
-from specwise.engine.types import (
-    DraftContext,
-    Proposal,
-    StepFeedback,
-)
+from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError
 from specwise.models.medusa import MedusaConfig, MedusaHeads
 from specwise.models.medusa_tree import tree_from_paths

@@ -21,13 +21,7 @@ from specwise.drafters.base import METHODS
 from specwise.drafters.spec import split_spec
 from specwise.engine.clock import DeviceClock, machine_info
 from specwise.engine.sampling import SamplingConfig
-from specwise.engine.timing import (
-    DEFAULT_SIZES,
-    Calibration,
-    MethodCost,
-    measure_forward_times,
-    realistic_context,
-)
+from specwise.engine.timing import DEFAULT_SIZES, Calibration, MethodCost, measure_forward_times, realistic_context
 from specwise.engine.types import DraftContext, StepFeedback
 from specwise.errors import ConfigError
 
