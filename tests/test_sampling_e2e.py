@@ -32,8 +32,8 @@ PROMPT = [3, 4, 5, 3, 4, 6, 3, 4]  # repeated n-grams, so prompt lookup proposes
 NUM_SEEDS = 2000
 
 
-def exact_joint(model, prompt: list[int], length: int, **sampling) -> np.ndarray:
-    """``[V] * length`` probabilities of every sequence of ``length`` new tokens (chain rule)."""
+def exact_joint(model, prompt: list[int], length: int, vocab: int = V, **sampling) -> np.ndarray:
+    """``[vocab] * length`` probabilities of every sequence of ``length`` new tokens (chain rule)."""
     joint = np.ones(1)
     prefixes: list[list[int]] = [[]]
     with torch.no_grad():
@@ -42,8 +42,8 @@ def exact_joint(model, prompt: list[int], length: int, **sampling) -> np.ndarray
             rows = np.stack([reference_probs(logits[i], prompt + pre, **sampling).numpy()
                              for i, pre in enumerate(prefixes)])
             joint = (joint[:, None] * rows).ravel()
-            prefixes = [pre + [x] for pre in prefixes for x in range(V)]
-    return joint.reshape([V] * length)
+            prefixes = [pre + [x] for pre in prefixes for x in range(vocab)]
+    return joint.reshape([vocab] * length)
 
 
 def _draft_model(target):

@@ -16,8 +16,9 @@ from rich.console import Console
 
 from specwise.api import check_seed, check_stop_strings, check_text, generate, spec_and_config
 from specwise.drafters.checkpoint import shipped_drafter
-from specwise.drafters.spec import parse_option_value, split_specs
+from specwise.drafters.spec import parse_option_value, split_spec, split_specs
 from specwise.engine.clock import machine_info
+from specwise.engine.loading import gguf_file
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.target import load_target, resolve_device
 from specwise.errors import ConfigError, DrafterError, PromptError, SpecwiseError
@@ -54,6 +55,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
+    p.add_argument("--weights", default="auto", choices=["auto", "native", "native-exact", "bf16"],
+                    help="target weights: native (the GGUF's own precision, torch's packed CPU kernels), native-exact, bf16 (dense), or auto: the faster measured here (default)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
@@ -100,7 +103,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if config.drafter_path is not None and not Path(config.drafter_path).exists():
             raise DrafterError(f"the drafter {config.drafter_path} does not exist.")
     resolve_device(args.device)
-    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
+    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress, weights=args.weights)
     streamer = None if args.json else _TextStreamer()
     result = generate(
         target, args.prompt, method=args.method, max_new_tokens=args.max_new_tokens,
@@ -140,8 +143,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     sweep = None
     if args.sweep:  # one contender per value, all measured side by side in the same run
         specs, sweep = Sweep.parse(args.sweep).expand(specs)
-    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
-    contenders = [parse_contender(target, spec) for spec in specs]
+    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress, weights=args.weights)
+    others = {w: load_target(args.target, dtype=args.dtype, device=args.device, weights=w)
+              for w in sorted({split_spec(s)[0].partition("@")[2] for s in specs} - {""})}
+    server = Path(args.llama_server) if args.llama_server else None
+    gguf = gguf_file(args.target) if server else None
+    contenders = [parse_contender(target, spec, server, gguf, others) for spec in specs]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = Console()
@@ -203,8 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
+    bench.add_argument("--weights", default="auto", choices=["auto", "native", "native-exact", "bf16"],
+                    help="target weights: native (the GGUF's own precision, torch's packed CPU kernels), native-exact, bf16 (dense), or auto: the faster measured here (default)")
     bench.add_argument("--device", default=None)
     bench.add_argument("--out", default="runs/bench")
+    bench.add_argument("--llama-server", default=None, metavar="PATH",
+                       help="llama.cpp's llama-server, for the llamacpp[...] contenders (scripts/build-llama-server.sh)")
     bench.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
                        help="run every drafting method once per value of one option, e.g. num_draft_tokens=1,3,5,7")
     bench.set_defaults(func=cmd_bench)

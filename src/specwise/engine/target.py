@@ -14,6 +14,7 @@ import torch
 
 from specwise.engine.cache import KVCache
 from specwise.engine.loading import load_model_and_tokenizer
+from specwise.engine.native.weights import weights_of
 from specwise.engine.tree import additive_attention_mask
 from specwise.errors import ConfigError
 
@@ -45,13 +46,17 @@ class Target:
         vocab_size: rows of the LM head's output (logits width), V.
         eos_token_ids: token ids that end generation.
         max_context: the model's maximum number of positions.
+        weights: ``"native"``, ``"native-exact"`` (packed GGUF weights) or ``"bf16"`` (dense, in
+            :attr:`dtype`): lossless means relative to the target as loaded.
     """
 
     def __init__(self, model, tokenizer, name: str) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()
+        self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
+        self.weights = weights_of(model)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         text_config = model.config.get_text_config()
         self.max_context = int(getattr(text_config, "max_position_embeddings", 0) or 1 << 30)
@@ -261,6 +266,7 @@ def load_target(
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device | None = None,
     progress=None,
+    weights: str | None = None,
 ) -> Target:
     """Load a target model: the alias ``gemma-3-270m``, a local HF model directory, or a ``.gguf`` file.
 
@@ -269,15 +275,19 @@ def load_target(
         dtype: ``"bfloat16"`` (default), ``"float32"``, ``"float16"`` or ``"float64"``.
         device: ``"cpu"``, ``"cuda"``, or ``None`` for CUDA when available.
         progress: optional ``callable(str)`` told about slow steps (the first GGUF conversion).
+        weights: ``"native"`` (the GGUF's own precision on torch's packed CPU kernels),
+            ``"native-exact"``, ``"bf16"`` (dense), or ``None``: the faster on this machine, measured
+            on first load and recorded in the cache. Lossless speculation is relative to the target
+            as loaded, never to another precision.
 
     Raises:
         TargetLoadError: the name is unknown or the files cannot be loaded.
-        ConfigError: bad dtype or device.
+        ConfigError: bad dtype, device or weights, or native weights where they cannot run.
     """
 
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
     model, tokenizer, name = load_model_and_tokenizer(
-        str(name_or_path), dtype=torch_dtype, device=torch_device, progress=progress
+        str(name_or_path), dtype=torch_dtype, device=torch_device, progress=progress, weights=weights
     )
     return Target(model, tokenizer, name)

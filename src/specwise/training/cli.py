@@ -52,6 +52,8 @@ def add_data_args(p: argparse.ArgumentParser, default_target: str) -> None:
     build.add_argument("--max-prompt-tokens", type=int, default=1024)
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--dtype", default="bfloat16")
+    build.add_argument("--weights", default="auto", choices=["auto", "native", "native-exact", "bf16"],
+                    help="target weights: native (the GGUF's own precision, torch's packed CPU kernels), native-exact, bf16 (dense), or auto: the faster measured here (default)")
     build.add_argument("--device", default=None)
     build.set_defaults(func=cmd_data_build)
 
@@ -65,7 +67,7 @@ def cmd_data_build(args: argparse.Namespace) -> int:
     )
     records = load_prompts(_expand(args.data))
     keep_freed_memory()
-    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_say)
+    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_say, weights=args.weights)
     out = build_corpus(target, records, args.out, config, minutes=args.minutes, progress=_say)
     _say(f"corpus in {out}")
     return 0
@@ -109,6 +111,8 @@ def _add_run_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--out", required=True, help="output drafter directory (resumes when it holds a trainer state)")
     p.add_argument("--corpus-minutes", type=float, default=10.0, help="generation budget when --data are prompt files")
     p.add_argument("--dtype", default="bfloat16", help="dtype the target runs in")
+    p.add_argument("--weights", default="auto", choices=["auto", "native", "native-exact", "bf16"],
+                    help="target weights: native (the GGUF's own precision, torch's packed CPU kernels), native-exact, bf16 (dense), or auto: the faster measured here (default)")
     p.add_argument("--device", default=None)
 
 
@@ -174,7 +178,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if found != spec.name:
             raise DrafterError(f"--init-from {options.init_from} holds a {found!r} drafter, not a {spec.name!r} one.")
     keep_freed_memory()  # this process trains: reuse big freed blocks instead of page-faulting new ones
-    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_say)
+    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_say, weights=args.weights)
     corpus = _corpus_from(args, options.seed, target)
     out = spec.train(TrainingJob(spec.name, target, corpus, Path(args.out), _say), options)
     _say(f"drafter written to {out}")
@@ -198,12 +202,14 @@ def add_export_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--target", default=default_target)
     p.add_argument("--out", required=True, help="HF model directory to write")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--weights", default="auto", choices=["auto", "native", "native-exact", "bf16"],
+                    help="target weights: native (the GGUF's own precision, torch's packed CPU kernels), native-exact, bf16 (dense), or auto: the faster measured here (default)")
     p.set_defaults(func=cmd_export_hf)
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
 
-    target = load_target(args.target, dtype=args.dtype, device="cpu", progress=_say)
+    target = load_target(args.target, dtype=args.dtype, device="cpu", progress=_say, weights=args.weights)
     path = args.drafter or shipped_drafter(target, "draft")
     if path is None:
         raise DrafterError(f"no draft LM ships for {target.name}; give its directory.")

@@ -56,6 +56,8 @@ def add_analyze_args(parser: argparse.ArgumentParser, default_target: str) -> No
     parser.add_argument("--methods", default="pld",
                         help="chain drafting methods to calibrate, comma-separated, e.g. 'pld,draft[drafter=PATH]'")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
+    parser.add_argument("--weights", default="auto", choices=["auto", "native", "native-exact", "bf16"],
+                    help="target weights: native (the GGUF's own precision, torch's packed CPU kernels), native-exact, bf16 (dense), or auto: the faster measured here (default)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--context-length", type=int, default=256, help="cached tokens before each timed forward")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per size / method (medians)")
@@ -117,7 +119,7 @@ def _calibrate(args: argparse.Namespace):
     for spec in methods:  # validate options before loading the model
         name, options = split_spec(spec)
         METHODS.get(name).make_config(**options)
-    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress)
+    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress, weights=args.weights)
     return calibrate(target, methods, sizes=args.sizes, context_length=args.context_length,
                      repeats=args.repeats, progress=_progress)
 

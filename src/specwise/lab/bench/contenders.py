@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -15,6 +16,7 @@ from specwise.drafters.draft_model import load_draft_lm
 from specwise.drafters.spec import split_spec
 from specwise.engine.loading import load_model_and_tokenizer
 from specwise.errors import ConfigError, DrafterError
+from specwise.lab.bench.llamacpp import LlamaServer
 from specwise.models.export import to_hf_model
 
 
@@ -25,6 +27,7 @@ class Outcome:
     token_ids: list[int]
     wall_time_s: float
     stats: Any = None  # SpecStats for specwise methods, None for peers
+    decode_time_s: float | None = None  # decoding without the prefill, where a peer reports it (llama.cpp)
 
 
 @dataclass(frozen=True)
@@ -128,14 +131,42 @@ def hf_peer_specs(specs: list[str]) -> list[str]:
     return peers
 
 
-def parse_contender(target, spec: str) -> Contender:
-    """Build a contender from ``name[key=value,...]``: a specwise method (``pld[num_draft_tokens=5]``)
-    or an HF peer (``hf-generate``, ``hf-pld[prompt_lookup_num_tokens=10]``).
+def llamacpp_contender(target, binary: Path, gguf: Path, label: str = "llamacpp", **flags: Any) -> Contender:
+    """llama.cpp's ``llama-server`` on the target's GGUF file, fed the same prompt token ids
+    (:mod:`specwise.lab.bench.llamacpp`; ``flags`` become server flags)."""
+    server = LlamaServer(binary, gguf, flags, torch.get_num_threads())
+
+    def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, **_sampling):
+        reply = server.complete(prompt_ids.tolist(), max_new_tokens, temperature, seed)
+        timings = reply.get("timings", {})
+        prefill_s, decode_s = timings.get("prompt_ms", 0.0) / 1e3, timings.get("predicted_ms", 0.0) / 1e3
+        return Outcome(list(reply.get("tokens", [])), prefill_s + decode_s, None, decode_time_s=decode_s)
+
+    return Contender(label, run, is_peer=True)
+
+
+def parse_contender(target, spec: str, llama_server: Path | None = None, gguf: Path | None = None,
+                    targets: dict | None = None) -> Contender:
+    """Build a contender from ``name[key=value,...]``: a specwise method (``pld[num_draft_tokens=5]``),
+    an HF peer (``hf-generate``, ``hf-pld[prompt_lookup_num_tokens=10]``), or llama.cpp
+    (``llamacpp``, ``llamacpp[spec-type=ngram-map-k]``, given ``llama_server`` and the ``gguf`` file).
+    A specwise method suffixed ``@WEIGHTS`` (``ar@bf16``) runs on ``targets[WEIGHTS]`` instead.
 
     Raises:
-        ConfigError: malformed spec. DrafterError: unknown method.
+        ConfigError: malformed spec, or llamacpp without a server or GGUF file. DrafterError:
+            unknown method.
     """
     name, options = split_spec(spec)
     if name.startswith("hf-"):
         return hf_contender(target, name[3:], label=spec, **options)
-    return specwise_contender(target, name, label=spec, **options)
+    if name == "llamacpp":
+        if llama_server is None or gguf is None:
+            raise ConfigError("llamacpp contenders need --llama-server PATH (scripts/build-llama-server.sh builds one) "
+                              "and a GGUF target.")
+        return llamacpp_contender(target, llama_server, gguf, label=spec, **options)
+    method, _, weights = name.partition("@")
+    if weights:
+        if not targets or weights not in targets:
+            raise ConfigError(f"{spec}: no target with weights {weights!r} is loaded for this run.")
+        target = targets[weights]
+    return specwise_contender(target, method, label=spec, **options)

@@ -37,6 +37,7 @@ class RunRecord:
     accepted_by_position: list[int] = field(default_factory=list)
     draft_time_s: float | None = None
     verify_time_s: float | None = None
+    decode_time_s: float | None = None
     matches_baseline: bool | None = None
     divergence_index: int | None = None
     divergence_logit_gap: float | None = None
@@ -120,7 +121,8 @@ def run_benchmark(
                 _compare(target, ids, baseline, record)
         records.extend(by_name[c.name] for c in contenders)
     summaries = summarize(records, [c.name for c in contenders], greedy=temperature == 0.0)
-    config = {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."),
+    config = {"target": target.name, "weights": getattr(target, "weights", "bf16"),
+              "dtype": str(target.dtype).removeprefix("torch."),
               "device": str(target.device), "max_new_tokens": max_new_tokens, "temperature": temperature,
               "seed": seed, "prompts": len(prompts), "contenders": [c.name for c in contenders],
               "tie_margin": TIE_MARGIN, **(extra_config or {})}
@@ -131,6 +133,7 @@ def _record(contender: Contender, prompt: PromptRecord, outcome) -> RunRecord:
     n = len(outcome.token_ids)
     record = RunRecord(contender.name, prompt.id, prompt.category, n, outcome.wall_time_s,
                        n / outcome.wall_time_s if outcome.wall_time_s > 0 else 0.0, token_ids=outcome.token_ids)
+    record.decode_time_s = outcome.decode_time_s
     stats = outcome.stats
     if stats is not None:
         record.mean_accepted_length = stats.mean_accepted_length

@@ -1,0 +1,83 @@
+"""llama.cpp's ``llama-server`` as a benchmark contender, on the same GGUF file and prompt tokens.
+
+``llamacpp`` is plain decoding; options become server flags, so ``llamacpp[spec-type=ngram-map-k]``
+is its n-gram speculation and ``llamacpp[draft=PATH]`` (``--spec-draft-model``) a draft model. The
+server is started on first use with ``--poll 0`` (its threads sleep while other contenders are
+timed) and as many threads as torch uses, and stopped at exit. Timings are the server's own:
+``wall_time_s`` is prefill plus decoding (as specwise's own times are), ``decode_time_s`` the
+decoding alone. Build a server with ``scripts/build-llama-server.sh``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from specwise.errors import ConfigError
+
+FLAG_ALIASES = {"draft": "spec-draft-model", "draft-max": "spec-draft-n-max"}
+
+
+class LlamaServer:
+    """One running ``llama-server`` process (started lazily, stopped by :meth:`close` or at exit)."""
+
+    def __init__(self, binary: Path, gguf: Path, flags: dict[str, Any], threads: int) -> None:
+        if not Path(binary).is_file():
+            raise ConfigError(f"llama-server {binary} does not exist; build one with scripts/build-llama-server.sh.")
+        self.binary, self.gguf, self.flags, self.threads = Path(binary), Path(gguf), flags, threads
+        self.process: subprocess.Popen | None = None
+        self.port = 0
+
+    def start(self) -> None:
+        if self.process is not None:
+            return
+        with socket.socket() as probe:  # a free loopback port
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        command = [str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
+                   "-t", str(self.threads), "-tb", str(self.threads), "--poll", "0", "-c", "4096", "-np", "1"]
+        for key, value in self.flags.items():
+            command += [f"--{FLAG_ALIASES.get(key, key)}", str(value)]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        atexit.register(self.close)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ConfigError(f"llama-server exited at start: {self.process.stderr.read()[-500:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.25)
+        self.close()
+        raise ConfigError("llama-server did not become healthy within 120 s.")
+
+    def complete(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int | None) -> dict:
+        """``/completion`` on token ids; sampling is plain temperature sampling (no top-k, top-p, min-p,
+        repetition penalty), as specwise's defaults are."""
+        self.start()
+        body = {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": temperature, "top_k": 0,
+                "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0, "seed": -1 if seed is None else seed,
+                "cache_prompt": False, "return_tokens": True, "stream": False}
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as reply:
+            return json.loads(reply.read())
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.process = None
+
