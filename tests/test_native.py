@@ -18,12 +18,12 @@ from gguf.quants import dequantize
 
 import specwise
 from conftest import RandomDrafter, assert_distribution, make_model, make_tokenizer, repetitive_prompt
-from test_sampling_e2e import exact_joint
 from specwise.engine.native.blocks import BLOCK_SIZES, GROUP, Affine, affine_from_blocks, planes_from_affine
 from specwise.engine.native.modules import Int8Linear, PackedEmbedding, PackedLinear, int8_rows
 from specwise.engine.native.weights import check_weights, native_supported, weights_of
 from specwise.engine.target import Target
 from specwise.errors import ConfigError
+from test_sampling_e2e import exact_joint
 
 
 def random_blocks(block_type: str, rows: int, blocks_per_row: int, seed: int = 0) -> np.ndarray:
@@ -169,17 +169,19 @@ SAMPLING_PROMPT = [3, 4, 5, 3, 4, 6, 3, 4]
 
 
 def test_packed_target_samples_its_own_distribution():
-    """20,000 draws of two tokens with prompt lookup against the packed model's exact joint."""
+    """20,000 draws of the first two of three tokens, the second a verified random draft (with its probabilities)
+    against the packed model's exact joint."""
     target = packed_tiny_target("llama", 0, vocab_size=SAMPLING_V)
     target.eos_token_ids = frozenset()
     sampling = dict(temperature=0.9)
     exact = exact_joint(target.model, SAMPLING_PROMPT, 2, vocab=SAMPLING_V, **sampling)
     counts = np.zeros([SAMPLING_V] * 2, np.int64)
+    drafter = RandomDrafter(SAMPLING_V, 2, seed=0, with_probs=True)
     drafted = accepted = 0
     for seed in range(20_000):
-        result = specwise.generate(target, SAMPLING_PROMPT, method="pld", max_new_tokens=2, seed=seed, **sampling)
+        result = specwise.generate(target, SAMPLING_PROMPT, drafter=drafter, max_new_tokens=3, seed=seed, **sampling)
         counts[tuple(result.token_ids[:2])] += 1
         drafted += result.stats.drafted_tokens
         accepted += result.stats.accepted_tokens
     assert 0 < accepted < drafted
-    assert_distribution(counts, exact, "packed target: pld sequences")
+    assert_distribution(counts, exact, "packed target: sampled sequences")

@@ -19,6 +19,7 @@ from specwise.drafters.checkpoint import shipped_drafter
 from specwise.drafters.spec import parse_option_value, split_spec, split_specs
 from specwise.engine.clock import machine_info
 from specwise.engine.loading import gguf_file
+from specwise.engine.native.weights import WEIGHTS, WEIGHTS_HELP
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.target import load_target, resolve_device
 from specwise.errors import ConfigError, DrafterError, PromptError, SpecwiseError
@@ -55,8 +56,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
-    p.add_argument("--weights", default="auto", choices=["auto", "native", "native-exact", "bf16"],
-                    help="target weights: native (the GGUF's own precision, torch's packed CPU kernels), native-exact, bf16 (dense), or auto: the faster measured here (default)")
+    p.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
@@ -210,8 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
-    bench.add_argument("--weights", default="auto", choices=["auto", "native", "native-exact", "bf16"],
-                    help="target weights: native (the GGUF's own precision, torch's packed CPU kernels), native-exact, bf16 (dense), or auto: the faster measured here (default)")
+    bench.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
     bench.add_argument("--device", default=None)
     bench.add_argument("--out", default="runs/bench")
     bench.add_argument("--llama-server", default=None, metavar="PATH",

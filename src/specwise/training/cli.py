@@ -10,6 +10,7 @@ from pathlib import Path
 
 from specwise.drafters.checkpoint import read_config, shipped_drafter
 from specwise.drafters.draft_model import load_draft_lm
+from specwise.engine.native.weights import WEIGHTS, WEIGHTS_HELP
 from specwise.engine.target import load_target, resolve_dtype
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.export import export_hf
@@ -52,8 +53,7 @@ def add_data_args(p: argparse.ArgumentParser, default_target: str) -> None:
     build.add_argument("--max-prompt-tokens", type=int, default=1024)
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--dtype", default="bfloat16")
-    build.add_argument("--weights", default="auto", choices=["auto", "native", "native-exact", "bf16"],
-                    help="target weights: native (the GGUF's own precision, torch's packed CPU kernels), native-exact, bf16 (dense), or auto: the faster measured here (default)")
+    build.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
     build.add_argument("--device", default=None)
     build.set_defaults(func=cmd_data_build)
 
@@ -111,8 +111,7 @@ def _add_run_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--out", required=True, help="output drafter directory (resumes when it holds a trainer state)")
     p.add_argument("--corpus-minutes", type=float, default=10.0, help="generation budget when --data are prompt files")
     p.add_argument("--dtype", default="bfloat16", help="dtype the target runs in")
-    p.add_argument("--weights", default="auto", choices=["auto", "native", "native-exact", "bf16"],
-                    help="target weights: native (the GGUF's own precision, torch's packed CPU kernels), native-exact, bf16 (dense), or auto: the faster measured here (default)")
+    p.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
     p.add_argument("--device", default=None)
 
 
@@ -202,8 +201,7 @@ def add_export_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--target", default=default_target)
     p.add_argument("--out", required=True, help="HF model directory to write")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--weights", default="auto", choices=["auto", "native", "native-exact", "bf16"],
-                    help="target weights: native (the GGUF's own precision, torch's packed CPU kernels), native-exact, bf16 (dense), or auto: the faster measured here (default)")
+    p.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
     p.set_defaults(func=cmd_export_hf)
 
 

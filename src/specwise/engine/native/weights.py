@@ -31,6 +31,8 @@ from specwise.errors import ConfigError
 
 WEIGHTS: tuple[str, ...] = ("native", "native-exact", "bf16")
 NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+WEIGHTS_HELP = ("target weights: native (the GGUF's own precision on torch's packed CPU kernels), native-exact, "
+                "bf16 (dense), or auto: the faster measured on this machine (default)")
 
 
 def check_weights(weights: str | None) -> str | None:

@@ -23,6 +23,7 @@ from specwise.drafters.base import METHODS
 from specwise.drafters.spec import split_spec, split_specs
 from specwise.drafters.timing import calibrate
 from specwise.engine.cost_model import expected_tokens_per_step, least_required_acceptance, optimal_num_draft_tokens
+from specwise.engine.native.weights import WEIGHTS, WEIGHTS_HELP
 from specwise.engine.target import load_target
 from specwise.engine.timing import Calibration
 from specwise.errors import ConfigError
@@ -56,8 +57,7 @@ def add_analyze_args(parser: argparse.ArgumentParser, default_target: str) -> No
     parser.add_argument("--methods", default="pld",
                         help="chain drafting methods to calibrate, comma-separated, e.g. 'pld,draft[drafter=PATH]'")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
-    parser.add_argument("--weights", default="auto", choices=["auto", "native", "native-exact", "bf16"],
-                    help="target weights: native (the GGUF's own precision, torch's packed CPU kernels), native-exact, bf16 (dense), or auto: the faster measured here (default)")
+    parser.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
     parser.add_argument("--device", default=None)
     parser.add_argument("--context-length", type=int, default=256, help="cached tokens before each timed forward")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per size / method (medians)")
