@@ -223,10 +223,11 @@ def test_tiny_end_to_end_run(tiny_run):
 #: the results.json layout that downstream tools (specwise analyze, notebooks) rely on
 RESULT_KEYS = {"schema", "config", "records", "summaries"}
 CONFIG_KEYS = {"target", "dtype", "device", "max_new_tokens", "temperature", "seed", "prompts", "contenders",
-               "tie_margin"}
+               "tie_margin", "weights"}
 RECORD_KEYS = {"contender", "prompt_id", "category", "new_tokens", "wall_time_s", "tokens_per_second",
                "mean_accepted_length", "drafted_by_position", "accepted_by_position", "draft_time_s",
-               "verify_time_s", "matches_baseline", "divergence_index", "divergence_logit_gap", "token_ids"}
+               "verify_time_s", "matches_baseline", "divergence_index", "divergence_logit_gap", "token_ids",
+               "decode_time_s"}
 SUMMARY_KEYS = {"contender", "prompts", "median_tokens_per_second", "median_speedup", "mean_accepted_length",
                 "acceptance_by_position", "draft_time_s", "verify_time_s", "other_time_s", "exact_matches",
                 "near_tie_divergences", "other_divergences"}

@@ -27,10 +27,7 @@ from specwise.lab.bench.runner import TIE_MARGIN, first_divergence
 pytestmark = pytest.mark.slow
 
 NEW = 32
-PROMPTS = {
-    "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "prose": "The history of the printing press begins in the fifteenth century, when",
-}
+PROMPTS = {"code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"}  # one: CI time
 
 
 @pytest.fixture(scope="module")

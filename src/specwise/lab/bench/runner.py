@@ -37,11 +37,11 @@ class RunRecord:
     accepted_by_position: list[int] = field(default_factory=list)
     draft_time_s: float | None = None
     verify_time_s: float | None = None
-    decode_time_s: float | None = None
     matches_baseline: bool | None = None
     divergence_index: int | None = None
     divergence_logit_gap: float | None = None
     token_ids: list[int] = field(default_factory=list)
+    decode_time_s: float | None = None  # decoding without the prefill, where a peer reports it (llama.cpp)
 
 
 @dataclass
