@@ -7,10 +7,11 @@ dequantizes, per group of 32 consecutive values, as an affine map of small unsig
 
 with ``scale_p`` and ``constant`` per group. A type of b bits per value needs ceil(b / 4) such
 *planes*: Q4_0, Q4_1, Q4_K one; Q5_0, Q5_1, Q5_K and Q8_0 two (the low nibble and the high bits).
-This is exact: :func:`planes_from_blocks` followed by :func:`dequantize_planes` reproduces the
-GGUF's own dequantization (``gguf.quants.dequantize``) to float32 rounding. Q6_K groups its scales
-per 16 values, which torch's kernel (groups of 32 or more) cannot express without more bits than
-bfloat16 costs, so it and every other type stay dense (:data:`PLANE_TYPES` lists what is read).
+This is exact: :func:`affine_from_blocks` reproduces the GGUF's own dequantization
+(``gguf.quants.dequantize``) to float32 rounding, and :func:`planes_from_affine` splits its codes
+into nibbles without loss. Q6_K groups its scales per 16 values, which torch's kernel (groups of 32
+or more) cannot express without more bits than bfloat16 costs, so it and every other type have no
+plane form here (:data:`PLANE_TYPES` lists what is read; the int8 form reads any type).
 
 Block layouts are ggml's (``ggml-common.h``, ``ggml-quants.c``): fp16 factors first, then packed
 bytes; value j and j + 16 of a 32-block share a byte (low and high nibble); K-quants hold a
@@ -77,15 +78,6 @@ class Planes:
         return int(self.values.shape[1]), int(self.values.shape[2])
 
 
-def planes_from_blocks(raw: np.ndarray, block_type: str, shape: tuple[int, int]) -> Planes:
-    """Split GGUF blocks into exact 4-bit planes (:func:`affine_from_blocks`, then the nibbles).
-
-    Raises:
-        ValueError: as :func:`affine_from_blocks`.
-    """
-    return planes_from_affine(affine_from_blocks(raw, block_type, shape))
-
-
 def affine_from_blocks(raw: np.ndarray, block_type: str, shape: tuple[int, int]) -> Affine:
     """Read GGUF blocks as integer codes with a per-group affine map.
 
@@ -114,15 +106,6 @@ def affine_from_blocks(raw: np.ndarray, block_type: str, shape: tuple[int, int])
         values = values.reshape(n, -1, GROUP)
     return Affine(codes=values.reshape(n, k).astype(np.int8 if bits == 8 else np.uint8), scale=scale.reshape(n, -1).astype(np.float32),
                   offset=offset.reshape(n, -1).astype(np.float32), bits=bits)
-
-
-def dequantize_planes(planes: Planes) -> np.ndarray:
-    """``[N, K]`` float32: the weight the planes encode (for tests and deviation reports)."""
-    n, k = planes.shape
-    out = np.repeat(planes.constant, GROUP, axis=1).astype(np.float32)
-    for values, scales in zip(planes.values, planes.scales):
-        out += np.repeat(scales, GROUP, axis=1) * values.astype(np.float32)
-    return out.reshape(n, k)
 
 
 def _half(blocks: np.ndarray, start: int) -> np.ndarray:

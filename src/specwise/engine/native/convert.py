@@ -1,13 +1,13 @@
 """Pack a loaded Hugging Face model's GGUF-born weights at their own precision, and cache the result.
 
 :func:`pack_from_gguf` reads every tensor of the GGUF file the model was converted from, maps it to
-the model's module by transformers' own GGUF name map, and keeps as packed planes
-(:class:`~specwise.engine.native.modules.PackedLinear`) each linear layer and token embedding whose
-block type has an exact plane form; everything else (norms, Q6_K, F16/F32 tensors) stays dense.
-Each packed tensor is checked against the dense weight already loaded: a name map or row order
-that disagrees leaves that tensor dense instead of silently changing the model.
+the model's module by transformers' own GGUF name map, and packs each linear layer in the form
+:func:`form_of` gives its block type (int4 groups, int8 rows) and the token embedding as its own
+codes; norms and float tensors stay dense. Each packed tensor is checked against the dense weight
+already loaded: a name map or row order that disagrees leaves that tensor dense instead of silently
+changing the model.
 
-The packed tensors are saved once (:func:`save_native`) in a ``native/`` directory beside the dense
+The packed tensors are saved once (:func:`save_native`) in one directory per form beside the dense
 cache, with a manifest naming every packed module, and re-applied in seconds by :func:`apply_native`.
 """
 
@@ -38,8 +38,8 @@ class PackReport:
         packed: module path -> ``{"type": GGUF block type, "form": "int4" | "int8" |
             "embedding"}`` for every module packed.
         dense: GGUF tensor name -> why it stayed dense (its block type, or a failed check).
-        deviation: block type -> largest ``|packed - GGUF dequantized|`` over its tensors, in the
-            activation dtype the model runs in (the group factors' rounding).
+        deviation: ``"<block type> as <form>"`` -> largest ``|packed - GGUF dequantized|`` over its
+            tensors (a sample of rows), in the activation dtype the model runs in.
     """
 
     packed: dict[str, dict] = field(default_factory=dict)

@@ -49,11 +49,15 @@ def check_weights(weights: str | None) -> str | None:
 
 
 def weights_of(model: nn.Module) -> str:
-    """Which weights a loaded model holds: ``"native"``, ``"native-exact"`` or ``"bf16"`` (dense)."""
-    kinds = {type(m) for m in model.modules()}
-    if Int8Linear in kinds:
+    """Which weights a loaded model holds: ``"native"`` (int8 rows, which only that form uses, or
+    only single-plane int4: a file of 4-bit blocks packs identically in both native forms),
+    ``"native-exact"`` (several exact int4 planes and no int8 rows) or ``"bf16"`` (dense)."""
+    packed = [m for m in model.modules() if isinstance(m, (PackedLinear, PackedEmbedding, Int8Linear))]
+    if not packed:
+        return "bf16"
+    if any(isinstance(m, Int8Linear) for m in packed):
         return "native"
-    return "native-exact" if kinds & {PackedLinear, PackedEmbedding} else "bf16"
+    return "native-exact" if any(isinstance(m, PackedLinear) and m.num_planes > 1 for m in packed) else "native"
 
 
 def native_supported(device: torch.device, dtype: torch.dtype) -> str | None:
