@@ -68,6 +68,10 @@ ROWS = [
     BadInput("a prompt that is not valid UTF-8", PromptError, "UTF-8", _generate(prompt="t5 \udcff t6"),
              ["t5 \udcff t6"]),  # what Python makes of invalid UTF-8 in argv (surrogateescape)
     BadInput("a 2-D prompt tensor", PromptError, "1-D", _generate(prompt=torch.tensor([[5, 6], [7, 8]])), None),
+    BadInput("chat messages for a target without a chat template", PromptError, "chat template",
+             lambda target, _dir: specwise.generate(target, messages=[{"role": "user", "content": PROMPT_TEXT}],
+                                                    max_new_tokens=4),
+             ["--chat", PROMPT_TEXT]),
     BadInput("a drafter path with a method that takes none", ConfigError, "uses no trained drafter", _drafter_path_with_ar,
              ["--drafter", "{model_dir}", PROMPT_TEXT]),
     BadInput("native weights for a target that is not a GGUF file", ConfigError, "GGUF",

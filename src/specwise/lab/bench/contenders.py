@@ -14,7 +14,8 @@ from specwise.api import build_drafter, generate
 from specwise.drafters.checkpoint import is_checkpoint, shipped_drafter
 from specwise.drafters.draft_model import load_draft_lm
 from specwise.drafters.spec import split_spec
-from specwise.engine.loading import load_model_and_tokenizer
+from specwise.engine.aliases import KNOWN_TARGETS
+from specwise.engine.loading import gguf_file, load_model_and_tokenizer
 from specwise.errors import ConfigError, DrafterError
 from specwise.lab.bench.llamacpp import LlamaServer
 from specwise.models.export import to_hf_model
@@ -117,7 +118,10 @@ def load_assistant(target, path: str):
     if is_checkpoint(path):
         return to_hf_model(load_draft_lm(path, target), target)
 
-    return load_model_and_tokenizer(path, dtype=target.dtype, device=target.device, role="draft model")[0]
+    # a GGUF-born assistant takes the target's weight form, as specwise's own draft model does
+    weights = target.weights if path in KNOWN_TARGETS or path.lower().endswith(".gguf") else None
+    return load_model_and_tokenizer(path, dtype=target.dtype, device=target.device, role="draft model",
+                                    weights=weights)[0]
 
 
 def hf_peer_specs(specs: list[str]) -> list[str]:
@@ -133,7 +137,10 @@ def hf_peer_specs(specs: list[str]) -> list[str]:
 
 def llamacpp_contender(target, binary: Path, gguf: Path, label: str = "llamacpp", **flags: Any) -> Contender:
     """llama.cpp's ``llama-server`` on the target's GGUF file, fed the same prompt token ids
-    (:mod:`specwise.lab.bench.llamacpp`; ``flags`` become server flags)."""
+    (:mod:`specwise.lab.bench.llamacpp`; ``flags`` become server flags; ``draft`` may name a
+    target alias, whose assembled GGUF file it then is)."""
+    if str(flags.get("draft")) in KNOWN_TARGETS:
+        flags = {**flags, "draft": gguf_file(str(flags["draft"]))}
     server = LlamaServer(binary, gguf, flags, torch.get_num_threads())
 
     def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, **_sampling):

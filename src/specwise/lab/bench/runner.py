@@ -86,6 +86,7 @@ def run_benchmark(
     seed: int = 0,
     on_progress: Callable[[int, int], None] | None = None,
     extra_config: dict | None = None,
+    chat: bool = False,
 ) -> BenchResult:
     """Benchmark contenders on prompts, interleaved.
 
@@ -96,11 +97,14 @@ def run_benchmark(
         max_new_tokens: new tokens per generation.
         temperature: 0 for greedy; otherwise every contender samples with ``seed + prompt index``.
         on_progress: called with ``(runs done, runs total)``.
+        chat: send each prompt as one user message through the target's chat template (the same
+            token ids to every contender, peers included).
 
     Returns:
         :class:`BenchResult` with per-run records and per-category / overall summaries.
     """
-    encoded = [target.encode(p.prompt) for p in prompts]
+    encoded = [target.encode_chat([{"role": "user", "content": p.prompt}]) if chat else target.encode(p.prompt)
+               for p in prompts]
     for contender in contenders:  # warm-up
         contender.run(encoded[0], min(16, max_new_tokens), temperature=temperature, seed=seed)
     records: list[RunRecord] = []
@@ -125,7 +129,7 @@ def run_benchmark(
               "dtype": str(target.dtype).removeprefix("torch."),
               "device": str(target.device), "max_new_tokens": max_new_tokens, "temperature": temperature,
               "seed": seed, "prompts": len(prompts), "contenders": [c.name for c in contenders],
-              "tie_margin": TIE_MARGIN, **(extra_config or {})}
+              "tie_margin": TIE_MARGIN, "chat": chat, **(extra_config or {})}
     return BenchResult(config, records, summaries)
 
 
