@@ -19,7 +19,7 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[bench]"
 	touch $@
 
-# the tests cover every layer: [dev] = [bench] + [train] + [qwen] + pytest, hypothesis, scipy, ruff
+# the tests cover every layer: [dev] = [bench] + [train] + [qwen] + pytest (+ xdist), hypothesis, scipy, ruff
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
@@ -27,11 +27,13 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 demo: $(VENV)/.installed-bench
 	$(BIN)/specwise demo
 
+# every test runs torch on one thread (tests/conftest.py), so one worker per core (at most 4: each
+# real-model file loads its model); a file stays on one worker, so its model is loaded once
 test: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 test-fast: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

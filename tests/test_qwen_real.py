@@ -9,6 +9,7 @@ import pytest
 import specwise
 from specwise.drafters.checkpoint import shipped_drafter
 from specwise.engine.aliases import KNOWN_TARGETS
+from specwise.engine.cache import _INITIAL_CAPACITY
 
 pytestmark = pytest.mark.slow
 
@@ -58,10 +59,10 @@ def test_a_sampled_run_with_the_draft_model_is_seeded_and_finishes(qwen):
 
 
 def test_a_prompt_longer_than_the_draft_models_first_cache_block(qwen):
-    """A 600-token chat: the draft model's cache and the target's grow past their first block."""
-    code = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(32))
-    messages = [{"role": "user", "content": f"Here is a module:\n{code}\nWrite f32 in the same style."}]
-    assert qwen.encode_chat(messages).numel() > 512
+    """A chat longer than the caches' first block: the draft model's cache and the target's grow."""
+    code = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(16))
+    messages = [{"role": "user", "content": f"Here is a module:\n{code}\nWrite f16 in the same style."}]
+    assert qwen.encode_chat(messages).numel() > _INITIAL_CAPACITY
     ar, draft = (specwise.generate(qwen, messages=messages, method=m, max_new_tokens=8).token_ids for m in ("ar", "draft"))
     assert draft == ar
 

@@ -127,7 +127,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if config.drafter_path is None and shipped_drafter(args.target, args.method) is None:
             what = "a draft model" if args.method == "draft" else "a trained drafter"
             raise DrafterError(f"method {args.method!r} needs {what} for {args.target}: pass --drafter PATH "
-                               "(one ships only for gemma-3-270m).")
+                               "(trained drafters ship for gemma-3-270m; a draft model for qwen2.5-coder-1.5b-instruct).")
         if (config.drafter_path is not None and config.drafter_path not in KNOWN_TARGETS
                 and not Path(config.drafter_path).exists()):
             raise DrafterError(f"the drafter {config.drafter_path} does not exist (and is not one of the aliases "

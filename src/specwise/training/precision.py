@@ -36,8 +36,8 @@ def choose_precision(requested: str, device: torch.device | str = "cpu") -> str:
     Args:
         requested: ``"bf16"``, ``"fp32"``, or ``"auto"``: bf16 on CUDA; on CPU whichever runs a
             training-sized matmul (``[4096, 640] @ [640, 2048]``, forward and both gradients'
-            shapes) faster on this machine, timed in about a second (a 16x smaller probe decides
-            alone when one precision is more than 3x slower).
+            shapes) faster on this machine, timed in about a second (a probe of ``_PROBE_ROWS``
+            rows decides alone when one precision is ``_CLEAR_MARGIN`` times slower or more).
         device: where training runs.
 
     Returns:
@@ -52,14 +52,15 @@ def choose_precision(requested: str, device: torch.device | str = "cpu") -> str:
         return requested
     if torch.device(device).type != "cpu":
         return "bf16"
-    # a 16x smaller probe first: where one precision is emulated (bf16 without AVX-512-bf16 or AMX
-    # runs tens of times slower) it decides in a fraction of a second; close calls get the full size
-    bf16, fp32 = _matmul_seconds(torch.bfloat16, rows=256), _matmul_seconds(torch.float32, rows=256)
+    # a small probe first: where one precision is emulated (bf16 on a CPU without AVX-512-bf16 or
+    # AMX) the ratio is large at any size and the probe decides; close calls get the full size
+    bf16, fp32 = (_matmul_seconds(dtype, rows=_PROBE_ROWS) for dtype in (torch.bfloat16, torch.float32))
     if max(bf16, fp32) > _CLEAR_MARGIN * min(bf16, fp32):
         return "bf16" if bf16 < fp32 else "fp32"
     return "bf16" if _matmul_seconds(torch.bfloat16) < _matmul_seconds(torch.float32) else "fp32"
 
 
+_PROBE_ROWS = 256  # token rows of the probe (the full measurement takes 4096)
 _CLEAR_MARGIN = 3.0  # a probe ratio beyond this is not a matter of size
 
 
