@@ -90,11 +90,5 @@ def end_of_turn_ids(tokenizer) -> frozenset[int]:
         return frozenset()
     special = set(tokenizer.all_special_ids) | {
         int(i) for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(token, "special", False)}
-    ids = tokenizer.encode(tail, add_special_tokens=False)
-    ends = []
-    for token in ids[:4]:  # the closing marker comes first; a newline or two may follow
-        if token in special:
-            ends.append(token)
-        elif ends:
-            break
-    return frozenset(ends[:1])
+    ids = tokenizer.encode(tail, add_special_tokens=False)[:4]  # the closing marker, a newline or two
+    return frozenset(next(([token] for token in ids if token in special), []))
