@@ -29,9 +29,8 @@ import torch
 
 from specwise.drafters.base import Drafter, DraftingConfig, check_probability, register_drafter
 from specwise.drafters.checkpoint import is_checkpoint, load_checkpoint, shipped_drafter
-from specwise.engine.aliases import KNOWN_TARGETS
 from specwise.engine.cache import KVCache
-from specwise.engine.loading import load_model_and_tokenizer
+from specwise.engine.loading import gguf_born, load_model_and_tokenizer
 from specwise.engine.sampling import prefix_token_masks, probs_from_scores, process_logits, sample_token
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import DrafterError
@@ -164,7 +163,7 @@ class DraftModelDrafter(Drafter):
             else:
 
                 # a GGUF-born draft model takes the target's weight form (native next to native)
-                weights = target.weights if str(path) in KNOWN_TARGETS or str(path).lower().endswith(".gguf") else None
+                weights = target.weights if gguf_born(str(path)) else None
                 draft_model, draft_tokenizer, name = load_model_and_tokenizer(
                     str(path), dtype=target.dtype, device=target.device, role="draft model", weights=weights
                 )

@@ -29,10 +29,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specwise.engine.aliases import KNOWN_TARGETS, KnownTarget, assemble, part_paths
-from specwise.engine.native.weights import apply_weights, check_weights, native_supported
+from specwise.engine.native.weights import WEIGHTS, apply_weights, check_weights, native_supported
 from specwise.errors import ConfigError, TargetLoadError
 
-GEMMA_3_270M = "gemma-3-270m"
 KNOWN_ALIASES: tuple[str, ...] = tuple(KNOWN_TARGETS)
 
 
@@ -172,13 +171,19 @@ def gguf_file(name_or_path: str, cache_dir: Path | None = None) -> Path | None:
     raise TargetLoadError(_unknown_target_message(name_or_path, path))
 
 
+def gguf_born(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` names a model that comes from a GGUF file (a known alias or a
+    ``.gguf`` path), so that native weights can be asked of it."""
+    return name_or_path in KNOWN_TARGETS or str(name_or_path).lower().endswith(".gguf")
+
+
 def alias_cache_state(known: KnownTarget, cache_dir: Path | None = None) -> str:
     """What the cache holds for a known alias: ``"not converted"``, ``"converted"``, or
     ``"converted, native"`` etc. (the packed weight forms present)."""
     model_dir = (Path(cache_dir) if cache_dir else default_cache_dir()) / "targets" / known.cache_name()
     if not model_dir.is_dir():
         return "not converted"
-    forms = [form for form in ("native", "native-exact") if (model_dir / form).is_dir()]
+    forms = [form for form in WEIGHTS if form != "bf16" and (model_dir / form).is_dir()]
     return ", ".join(["converted", *forms])
 
 

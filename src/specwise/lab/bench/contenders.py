@@ -15,7 +15,7 @@ from specwise.drafters.checkpoint import is_checkpoint, shipped_drafter
 from specwise.drafters.draft_model import load_draft_lm
 from specwise.drafters.spec import split_spec
 from specwise.engine.aliases import KNOWN_TARGETS
-from specwise.engine.loading import gguf_file, load_model_and_tokenizer
+from specwise.engine.loading import gguf_born, gguf_file, load_model_and_tokenizer
 from specwise.errors import ConfigError, DrafterError
 from specwise.lab.bench.llamacpp import LlamaServer
 from specwise.models.export import to_hf_model
@@ -119,7 +119,7 @@ def load_assistant(target, path: str):
         return to_hf_model(load_draft_lm(path, target), target)
 
     # a GGUF-born assistant takes the target's weight form, as specwise's own draft model does
-    weights = target.weights if path in KNOWN_TARGETS or path.lower().endswith(".gguf") else None
+    weights = target.weights if gguf_born(path) else None
     return load_model_and_tokenizer(path, dtype=target.dtype, device=target.device, role="draft model",
                                     weights=weights)[0]
 
