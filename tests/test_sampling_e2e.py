@@ -144,6 +144,12 @@ CONFIGS = {
     "pld-t0.8-topk": ("pld", 3, dict(temperature=0.8, top_k=6)),
     "uniform-q-topp": (lambda target: RandomDrafter(V, 2, seed=0, with_probs=True), 3,
                        dict(temperature=1.2, top_p=0.8)),
+    # Predicted Outputs: the prediction's copy alone (ar), grafted onto pld's chain, and verified
+    # instead of a sampled draft model's chain (which carries draft probabilities)
+    "ar-prediction-t0.9": ("ar", 3, dict(temperature=0.9, prediction=[3, 4, 5, 3, 4, 6, 3, 4, 6])),
+    "pld-prediction-topk-penalty": ("pld", 3, dict(temperature=1.0, top_k=5, repetition_penalty=1.3,
+                                                   prediction=[4, 6, 3, 5, 5, 3, 4])),
+    "draft-prediction-t0.8": (_draft_model, 4, dict(temperature=0.8, prediction=[6, 3, 4, 5, 3])),
 }
 
 
@@ -151,7 +157,7 @@ CONFIGS = {
 def test_sampled_sequences_follow_the_target_distribution(config):
     make_drafter, max_new_tokens, sampling = CONFIGS[config]
     target = make_target("llama", 0, vocab_size=V, eos=())
-    exact = exact_joint(target.model, PROMPT, 3, **sampling)
+    exact = exact_joint(target.model, PROMPT, 3, **{k: v for k, v in sampling.items() if k != "prediction"})
     options = dict(method=make_drafter) if isinstance(make_drafter, str) else dict(drafter=make_drafter(target))
     counts = np.zeros([V] * 3, np.int64)
     drafted = accepted = 0
@@ -171,7 +177,7 @@ def test_statistical_check_detects_a_lossy_verifier(monkeypatch):
                         lambda drafts, p, q, generator: (drafts.numel(), int(torch.multinomial(p[-1], 1, generator=generator))))
     make_drafter, max_new_tokens, sampling = CONFIGS["draft-t0.8"]
     target = make_target("llama", 0, vocab_size=V, eos=())
-    exact = exact_joint(target.model, PROMPT, 3, **sampling)
+    exact = exact_joint(target.model, PROMPT, 3, **{k: v for k, v in sampling.items() if k != "prediction"})
     drafter = make_drafter(target)
     counts = np.zeros([V] * 3, np.int64)
     for seed in range(NUM_SEEDS // 5):

@@ -41,13 +41,15 @@ def _reference(target, continuation, stops, max_new_tokens):
     return continuation[:max_new_tokens], _special_text(target, continuation[:max_new_tokens]), None
 
 
-def _run(target, stops, *, k: int | None, max_new_tokens: int = N):
+def _run(target, stops, *, k: int | None, max_new_tokens: int = N, include_stop: bool = True):
     continuation = _continuation()
     deltas: list[str] = []
     drafter = dict(method="ar") if k is None else dict(drafter=OracleDrafter(continuation, len(PROMPT), k))
     result = specwise.generate(target, PROMPT, max_new_tokens=max_new_tokens, stop=stops,
-                               text_streamer=deltas.append, **drafter)
+                               text_streamer=deltas.append, include_stop=include_stop, **drafter)
     ids, text, stop = _reference(target, continuation, stops, max_new_tokens)
+    if stop and not include_stop:
+        text = text[: len(text) - len(stop)]
     assert result.token_ids == ids
     assert result.text == (text if stop else target.decode(ids))  # special tokens kept only after a stop
     assert result.stop_string == stop
@@ -56,6 +58,23 @@ def _run(target, stops, *, k: int | None, max_new_tokens: int = N):
     assert "".join(deltas) == text
     assert all(deltas)
     return result
+
+
+@pytest.mark.parametrize("k", [None, 1, 3, 8])
+@pytest.mark.parametrize("index", [0, 4, 5, 9])
+def test_a_stop_string_left_out_of_the_text_and_the_stream(index, k):
+    """``include_stop=False`` (OpenAI's ``stop``): the text and the streamed pieces end right before
+    the stop string, wherever it ends inside a token and inside a block of accepted drafts; the tokens
+    still run up to the one that completed it."""
+    target = make_target("llama", eos=())
+    continuation = _continuation()
+    text = _special_text(target, continuation)
+    start, end = _token_spans(target, continuation)[index]
+    first = _token_spans(target, continuation)[max(index - 2, 0)][0]
+    for cut in range(start + 1, end + 1):
+        stop = text[first:cut]
+        result = _run(target, [stop], k=k, include_stop=False)
+        assert result.text == text[:first] and result.token_ids[-1] == continuation[index]
 
 
 def _token_spans(target, ids):

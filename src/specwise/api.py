@@ -13,6 +13,7 @@ import torch
 from specwise.drafters import METHODS, Drafter
 from specwise.drafters.base import warn_renamed
 from specwise.drafters.checkpoint import read_config
+from specwise.drafters.prediction import PredictionDrafter, prediction_ids
 from specwise.engine.loop import speculative_generate
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.types import GenerationResult
@@ -94,6 +95,8 @@ def generate(
     stop: Sequence[str] = (),
     streamer: Callable[[list[int]], None] | None = None,
     text_streamer: Callable[[str], None] | None = None,
+    include_stop: bool = True,
+    prediction: str | Sequence[int] | None = None,
     **method_options: Any,
 ) -> GenerationResult:
     """Generate text with lossless speculative decoding.
@@ -119,12 +122,19 @@ def generate(
         seed: seeds the sampling RNG (a ``torch.Generator`` on the target's device).
         stop: a stop string or several, matched on the new text decoded with special tokens (so
             ``"<|im_end|>"`` works); generation ends at the token that completes one, and ``text``
-            ends right after it (it is kept).
+            ends right after it (it is kept unless ``include_stop=False``).
         streamer: called with each step's new token ids as they are committed.
         text_streamer: called with each new piece of text (``str``) as stop strings see it
             (special tokens kept, a final EOS left out); a tail that could still begin a stop
             string is held back until it cannot, so it never shows text past a stop string. The
             pieces add up to ``text`` unless special tokens were skipped from it.
+        include_stop: keep the stop string that ended generation at the end of ``text`` and of the
+            streamed text; ``False`` leaves it out (OpenAI's ``stop``), wherever it ends (inside a
+            block of accepted draft tokens too). ``token_ids`` holds its tokens either way.
+        prediction: Predicted Outputs: text (or token ids) the output is expected to largely repeat,
+            e.g. the code being edited. It becomes a second drafting source next to ``method``
+            (:class:`specwise.drafters.prediction.PredictionDrafter`); the output stays exactly the
+            target's. ``stats.prediction_accepted_tokens`` / ``prediction_rejected_tokens`` count it.
         **method_options: the method's options, e.g. ``num_draft_tokens=8``, ``drafter_path=PATH``.
 
     Returns:
@@ -146,6 +156,8 @@ def generate(
     sampling = SamplingConfig(temperature, top_k, top_p, repetition_penalty)
     check_seed(seed)
     stop = check_stop_strings(stop)
+    if not isinstance(include_stop, bool):
+        raise ConfigError(f"include_stop must be True or False, got {include_stop!r}.")
     if isinstance(drafter, (str, os.PathLike)):
         warn_renamed("generate", "drafter=PATH", "drafter_path=PATH")
         if "drafter_path" in method_options:
@@ -182,12 +194,20 @@ def generate(
             generator.seed()
         else:
             generator.manual_seed(seed)
+    running = drafter
+    if prediction is not None:
+        running = PredictionDrafter(drafter, prediction_ids(target, prediction),
+                                    torch.tensor(sorted(target.eos_token_ids), dtype=torch.long))
     with _exclusive(drafter):
-        return speculative_generate(
-            target, drafter, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+        result = speculative_generate(
+            target, running, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
             generator=generator, stop_strings=stop, streamer=streamer, text_streamer=text_streamer,
-            eos_token_ids=eos_token_ids,
+            eos_token_ids=eos_token_ids, include_stop=include_stop,
         )
+    if prediction is not None:
+        result.stats.prediction_accepted_tokens = running.accepted_tokens
+        result.stats.prediction_rejected_tokens = running.rejected_tokens
+    return result
 
 
 def check_seed(seed) -> None:

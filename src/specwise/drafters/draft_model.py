@@ -182,11 +182,13 @@ class DraftModelDrafter(Drafter):
 
     def reset(self) -> None:
         self.cache = KVCache()
+        self._root, self._drafted = None, []  # this step's root index (None: not asked) and draft tokens
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> Proposal:
         budget = min(self.config.num_draft_tokens, ctx.max_draft_tokens)
         ids = ctx.token_ids
+        self._root, self._drafted = ids.numel() - 1, []
         if self.step.max_positions is not None:  # the k-th draft forward feeds position len(ids) - 1 + k
             budget = min(budget, self.step.max_positions - ids.numel() + 1)
         if budget <= 0:
@@ -220,8 +222,19 @@ class DraftModelDrafter(Drafter):
             if confidence is not None and float(confidence) < self.config.confidence_threshold:
                 break
         tokens = torch.stack(drafts)
+        self._drafted = tokens.tolist()
         return Proposal(tokens, torch.stack(probs) if probs else None)
 
     def observe(self, feedback: StepFeedback) -> None:
-        # keep only positions that were committed; the new root (last token) is fed next round
-        self.cache.rollback(min(self.cache.length, feedback.token_ids.numel() - 1))
+        # keep the positions whose tokens were committed: the root and the leading drafts the
+        # committed tokens repeat (another source's draft may have been accepted instead, e.g. a
+        # Predicted Output grafted on); the new root (last token) is fed next round
+        valid = feedback.token_ids.numel() - 1
+        if self._root is not None:
+            new = feedback.token_ids[self._root + 1:].tolist()
+            kept = 0
+            while kept < min(len(new), len(self._drafted)) and new[kept] == self._drafted[kept]:
+                kept += 1
+            valid = min(valid, self._root + 1 + kept)
+        self.cache.rollback(min(self.cache.length, valid))
+        self._root, self._drafted = None, []

@@ -106,13 +106,18 @@ class LookupGraft:
         :meth:`observe`."""
         cfg = self.config
         self._chain = []
-        budget = min(lookup_length(self.acceptance, cfg.lookup_tokens, cfg.lookup_min_prob), ctx.max_draft_tokens)
+        budget = self.budget(ctx)
         if budget <= 0:
             return None
         chain = find_continuation(ctx.token_ids, budget, cfg.lookup_max_ngram, cfg.lookup_min_ngram,
                                   latest=True, eos_token_ids=self.eos_token_ids)
         self._chain = [] if chain is None else chain.tolist()
         return chain
+
+    def budget(self, ctx: DraftContext) -> int:
+        """How many lookup tokens to verify this step: the adaptive length, within the step's budget."""
+        cfg = self.config
+        return min(lookup_length(self.acceptance, cfg.lookup_tokens, cfg.lookup_min_prob), ctx.max_draft_tokens)
 
     def graft(self, proposal: Proposal, chain: torch.Tensor | None) -> Proposal:
         """Add this step's lookup to a drafter's proposal.
@@ -144,10 +149,16 @@ class LookupGraft:
         match the committed ones)."""
         if not self._chain:
             return
+        matched = self.matched(feedback)
+        self.accepted = LOOKUP_DECAY * self.accepted + matched
+        self.rejections = LOOKUP_DECAY * self.rejections + (matched < len(self._chain))
+        self._chain = []
+
+    def matched(self, feedback: StepFeedback) -> int:
+        """How many of this step's lookup tokens the target accepted (its leading tokens that the
+        committed ones repeat)."""
         committed = feedback.token_ids[-(feedback.num_accepted + 1):].tolist()  # accepted drafts, new root
         matched, most = 0, min(len(self._chain), len(committed))
         while matched < most and self._chain[matched] == committed[matched]:
             matched += 1
-        self.accepted = LOOKUP_DECAY * self.accepted + matched
-        self.rejections = LOOKUP_DECAY * self.rejections + (matched < len(self._chain))
-        self._chain = []
+        return matched

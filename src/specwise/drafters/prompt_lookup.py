@@ -98,11 +98,11 @@ def find_continuation(token_ids: torch.Tensor, num_tokens: int, max_ngram: int, 
     for n in range(min(max_ngram, token_ids.numel() - 1), min_ngram - 1, -1):
         drafts = lookup_continuation(token_ids, n, num_tokens, latest)
         if drafts is not None:
-            return _cut_after_eos(drafts, eos_token_ids.to(token_ids.device))
+            return cut_after_eos(drafts, eos_token_ids.to(token_ids.device))
     return None
 
 
-def _cut_after_eos(tokens: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
+def cut_after_eos(tokens: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
     """Drop every token after the first EOS (nothing past an EOS is ever emitted)."""
     is_eos = torch.isin(tokens, eos_ids)
     if bool(is_eos.any()):

@@ -38,6 +38,7 @@ def speculative_generate(
     streamer: Callable[[list[int]], None] | None = None,
     text_streamer: Callable[[str], None] | None = None,
     eos_token_ids: frozenset[int] | None = None,
+    include_stop: bool = True,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with one drafter.
 
@@ -56,6 +57,8 @@ def speculative_generate(
             begin a stop string (:class:`specwise.engine.stopping.StoppingRules`).
         eos_token_ids: tokens that end generation (kept in ``token_ids``, left out of ``text``);
             default the target's EOS (a chat adds the template's end-of-turn tokens).
+        include_stop: keep the stop string that ended generation at the end of ``text`` (and of
+            what ``text_streamer`` is shown); ``False`` leaves it out, as OpenAI's API does.
 
     Returns:
         a :class:`GenerationResult`: ``text``, ``token_ids``, ``stats``, ``stop_reason``
@@ -65,7 +68,7 @@ def speculative_generate(
     stats = SpecStats(method=drafter.method or type(drafter).__name__)
     output = StoppingRules(functools.partial(target.decode, special_tokens=True),
                            target.eos_token_ids if eos_token_ids is None else eos_token_ids,
-                           max_new_tokens, stop_strings, text_streamer)
+                           max_new_tokens, stop_strings, text_streamer, include_stop)
     layers = drafter.target_hidden_layers
     # committed tokens: a step emits at most budget + 1 tokens (chains are cut and trees pruned to the
     # budget), so prompt + max_new_tokens always suffices

@@ -93,9 +93,11 @@ class StoppingRules:
         eos_ids: token ids that end generation (the EOS itself is kept in ``tokens``, not in ``text``).
         max_new_tokens: at most this many new tokens.
         stop_strings: generation stops at the first token whose text completes one; the text ends
-            right after it (it is kept).
+            right after it (it is kept), or right before it with ``include_stop=False``.
         text_streamer: called with each new piece of text (a non-empty ``str``); it is never shown a
             tail that could still begin a stop string, and the pieces add up to :attr:`text`.
+        include_stop: keep the stop string that ended generation at the end of :attr:`text`
+            (OpenAI's API leaves it out: ``False``). Its tokens are in :attr:`tokens` either way.
 
     Attributes:
         tokens: the new tokens kept so far (up to and including the one that completed a stop string).
@@ -105,7 +107,8 @@ class StoppingRules:
     """
 
     def __init__(self, decode: Callable[[list[int]], str], eos_ids: frozenset[int], max_new_tokens: int,
-                 stop_strings: Sequence[str], text_streamer: Callable[[str], None] | None = None) -> None:
+                 stop_strings: Sequence[str], text_streamer: Callable[[str], None] | None = None,
+                 include_stop: bool = True) -> None:
         self.tokens: list[int] = []
         self.decode = decode
         self.eos_ids = eos_ids
@@ -114,6 +117,7 @@ class StoppingRules:
         self.stop_reason: str | None = None
         self.stop_string: str | None = None
         self.text_streamer = text_streamer
+        self.include_stop = include_stop
         # decoded as the tokens arrive only when someone reads the text before the end
         self._text = IncrementalText(decode) if self.stop_strings or text_streamer else None
         self._final_text: str | None = None
@@ -128,7 +132,8 @@ class StoppingRules:
     @property
     def text(self) -> str:
         """The new text so far (special tokens kept, the EOS that ended generation left out); once
-        generation has stopped on a stop string, it ends right after it."""
+        generation has stopped on a stop string, it ends right after it (before it without
+        ``include_stop``)."""
         if self._final_text is not None:
             return self._final_text
         if self._text is None:
@@ -180,7 +185,10 @@ class StoppingRules:
             if match is not None:
                 del self.tokens[len(self.tokens) - len(emitted) + i + 1:]
                 self.stop_reason, self.stop_string = "stop_string", match[1]
-                self._final_text = (self._text.text + self._text.pending())[: offset + match[0]]
+                # the streamer has not been shown the stop string's first character: it held back
+                # every tail that could begin one
+                end = offset + match[0] - (0 if self.include_stop else len(match[1]))
+                self._final_text = (self._text.text + self._text.pending())[:end]
                 return i + 1
         raise AssertionError("a stop string seen in a step's text must complete at one of its tokens")
 

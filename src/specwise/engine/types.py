@@ -171,6 +171,8 @@ class SpecStats:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     prefill_time_s: float = 0.0
+    prediction_accepted_tokens: int = 0  # Predicted Outputs: copied tokens accepted
+    prediction_rejected_tokens: int = 0  # ... and verified but rejected
 
     def record_step(self, num_drafted: int, num_accepted: int, depth: int | None = None) -> None:
         """Add one verification step's counts.
