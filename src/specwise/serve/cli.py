@@ -1,0 +1,87 @@
+"""``specwise serve``: load a target, build the methods requests may use, serve them with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from specwise.drafters import METHODS
+from specwise.drafters.spec import parse_option_value
+from specwise.engine.aliases import KNOWN_TARGETS
+from specwise.engine.native.weights import WEIGHTS, WEIGHTS_HELP
+from specwise.errors import ConfigError
+
+#: methods every server can offer without weights (besides the default)
+_ALWAYS = ("ar", "pld")
+
+
+def add_serve_args(p: argparse.ArgumentParser, default_target: str) -> None:
+    p.add_argument("--target", default=default_target, help=f"alias or path (default {default_target})")
+    p.add_argument("--method", default=None,
+                   help="the default method (default: the target's fastest measured one, e.g. medusa on gemma-3-270m)")
+    p.add_argument("--methods", default=None, metavar="LIST",
+                   help="comma-separated methods a request may choose with speculative.method "
+                        "(default: the default method, ar and pld)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the default method, e.g. num_draft_tokens=8 (repeatable)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; beyond, 503 (default 64)")
+    p.add_argument("--max-tokens-cap", type=int, default=2048, help="most new tokens per request (default 2048)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt (default: the context)")
+    p.add_argument("--time-limit", type=float, default=600.0, help="seconds a generation may run (default 600)")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
+    p.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from specwise.serve.app import ServerConfig, create_app
+    except ImportError as exc:
+        raise ConfigError(f"specwise serve needs the [serve] extra ({exc.name} is missing): "
+                          "pip install 'specwise[serve]'.") from None
+    from specwise.engine.target import load_target
+
+    known = KNOWN_TARGETS.get(args.target)
+    default = args.method or (known.best_method if known else "ar")
+    METHODS.get(default)  # an unknown method: one sentence before the model load
+    methods = [default, *(_split(args.methods) if args.methods else _ALWAYS)]
+    for method in methods:
+        METHODS.get(method)
+    for name, value in (("--port", args.port), ("--max-queue", args.max_queue), ("--max-tokens-cap", args.max_tokens_cap)):
+        if value < (0 if name == "--max-queue" else 1):
+            raise ConfigError(f"{name} must be a positive integer, got {value}.")
+    if args.time_limit <= 0:
+        raise ConfigError(f"--time-limit must be positive, got {args.time_limit}.")
+    options = {}
+    for item in args.option:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--option takes KEY=VALUE, got {item!r}.")
+        options[key.strip()] = parse_option_value(value.strip())
+    METHODS.get(default).make_config(**options)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    target = load_target(args.target, dtype=args.dtype, device=args.device, weights=args.weights,
+                         progress=lambda m: print(m, file=sys.stderr, flush=True))
+    config = ServerConfig(model=args.model_name or (args.target if known else Path(args.target).name), default_method=default,
+                          methods=tuple(dict.fromkeys(methods)), api_key=args.api_key, max_queue=args.max_queue,
+                          max_tokens_cap=args.max_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
+                          time_limit_s=args.time_limit, default_options=options)
+    app = create_app(target, config)
+    print(f"specwise: serving {config.model} with {default} (also: {', '.join(config.methods[1:]) or 'none'}) "
+          f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
+
+
+def _split(text: str) -> list[str]:
+    return [m.strip() for m in text.split(",") if m.strip()]

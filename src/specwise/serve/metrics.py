@@ -1,0 +1,41 @@
+"""The server's Prometheus metrics, in a registry of its own (two apps in one process never share one)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+
+
+class ServerMetrics:
+    """Counters, gauges and histograms of one server (units: seconds, tokens)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("specwise_requests", "Requests answered, by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.generated_tokens = Counter("specwise_generated_tokens", "Tokens committed (counted per step)", registry=r)
+        self.draft_tokens = Counter("specwise_draft_tokens", "Draft tokens verified", ["method"], registry=r)
+        self.accepted_tokens = Counter("specwise_accepted_tokens", "Draft tokens accepted", ["method"], registry=r)
+        self.target_forwards = Counter("specwise_target_forwards", "Target forwards (verification steps and prefills)",
+                                       ["method"], registry=r)
+        self.prediction_tokens = Counter("specwise_prediction_tokens", "Predicted Outputs tokens, accepted or rejected",
+                                         ["outcome"], registry=r)
+        self.latency = Histogram("specwise_request_latency_seconds", "Request latency, queueing included",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.time_to_first_token = Histogram("specwise_time_to_first_token_seconds",
+                                             "Time from the request to its first committed token",
+                                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("specwise_queue_depth", "Requests waiting behind the running one", registry=r)
+        self.running = Gauge("specwise_running", "Requests generating now (0 or 1)", registry=r)
+
+    def record_result(self, result) -> None:
+        """Add a finished generation's speculation counts."""
+        stats = result.stats
+        self.draft_tokens.labels(stats.method).inc(stats.drafted_tokens)
+        self.accepted_tokens.labels(stats.method).inc(stats.accepted_tokens)
+        self.target_forwards.labels(stats.method).inc(stats.target_forwards)
+        if stats.prediction_accepted_tokens or stats.prediction_rejected_tokens:
+            self.prediction_tokens.labels("accepted").inc(stats.prediction_accepted_tokens)
+            self.prediction_tokens.labels("rejected").inc(stats.prediction_rejected_tokens)

@@ -1,0 +1,293 @@
+"""The OpenAI request and response shapes the server speaks, and its error JSON.
+
+Requests are pydantic models that forbid unknown fields: a parameter the server does not implement
+is refused with a 400 naming it, never silently ignored. Parameters OpenAI defines but the server
+does not implement (``n`` > 1, ``logprobs``, penalties, ``echo``, ``best_of``) are accepted only at
+their no-op values.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+
+#: at most this many stop strings per request (OpenAI's limit)
+MAX_STOP_STRINGS = 4
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error JSON.
+
+    Args:
+        status: the HTTP status.
+        message: one sentence for the client.
+        param: the request field at fault, if any.
+        kind: OpenAI's ``type`` (``invalid_request_error``, ``authentication_error``, ...).
+        headers: extra response headers (``Retry-After``).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
+
+    def body(self) -> dict:
+        """``{"error": {"message", "type", "param", "code"}}``."""
+        return error_body(self.message, self.kind, self.param, self.status)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: int | str | None = None) -> dict:
+    """OpenAI's error JSON."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class PredictionContent(_Strict):
+    """OpenAI's ``prediction``: ``{"type": "content", "content": str | [text parts]}``."""
+
+    type: Literal["content"]
+    content: StrictStr | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+OptionValue = StrictBool | StrictInt | StrictFloat | StrictStr
+
+
+class Speculative(_Strict):
+    """The ``speculative`` extension (``extra_body``): a method the server loaded, and its options."""
+
+    method: StrictStr | None = None
+    options: dict[str, OptionValue] = Field(default_factory=dict)
+
+
+class _Request(_Strict):
+    model: StrictStr
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | StrictInt = 1.0
+    top_p: StrictFloat | StrictInt = 1.0
+    n: StrictInt = 1
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: StrictFloat | StrictInt = 0.0
+    presence_penalty: StrictFloat | StrictInt = 0.0
+    user: StrictStr | None = None
+    prediction: PredictionContent | None = None
+    speculative: Speculative | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive(cls, value):
+        if value is not None and value < 1:
+            raise ValueError("must be at least 1")
+        return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value):
+        if not 0 <= value <= 2:
+            raise ValueError("must be between 0 and 2")
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, value):
+        if not 0 <= value <= 1:
+            raise ValueError("must be between 0 and 1")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value):
+        if value != 1:
+            raise ValueError("only n=1 is supported; send one request per completion")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value):
+        if value is not None and not 0 <= value < 2**64:
+            raise ValueError("must be an integer in [0, 2**64)")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value):
+        if value != 0:
+            raise ValueError("is not supported (a penalty changes the target's distribution); leave it at 0")
+        return value
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Request):
+    """``POST /v1/completions``: one prompt, text or token ids."""
+
+    prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    max_tokens: StrictInt | None = 16  # OpenAI's default for completions
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list) and value and isinstance(value[0], str):
+            if len(value) != 1:
+                raise ValueError("one prompt per request is supported; send a request per prompt")
+            return value[0]
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value):
+        if value:
+            raise ValueError("is not supported by this server")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value):
+        if value:
+            raise ValueError("is not supported by this server")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value):
+        if value not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value:
+            raise ValueError("is not supported by this server")
+        return value
+
+
+class Message(_Strict):
+    role: StrictStr
+    content: StrictStr | list[TextPart]
+    name: StrictStr | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Request):
+    """``POST /v1/chat/completions``: messages through the target's chat template."""
+
+    messages: list[Message]
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, value):
+        if not value:
+            raise ValueError("must hold at least one message")
+        return value
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _positive_completion(cls, value):
+        if value is not None and value < 1:
+            raise ValueError("must be at least 1")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value):
+        if value:
+            raise ValueError("is not supported by this server")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, value):
+        if value:
+            raise ValueError("is not supported by this server")
+        return value
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def usage(prompt_tokens: int, result) -> dict:
+    """OpenAI's ``usage``, with the Predicted Outputs counts."""
+    completion = len(result.token_ids)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": result.stats.prediction_accepted_tokens,
+            "rejected_prediction_tokens": result.stats.prediction_rejected_tokens,
+        },
+    }
+
+
+def speculative_decoding(stats) -> dict:
+    """What the speculation did: method, τ, acceptance (overall and by draft position), counts, times (s)."""
+    return {
+        "method": stats.method,
+        "mean_accepted_length": round(stats.mean_accepted_length, 4),
+        "acceptance_rate": round(stats.acceptance_rate, 4),
+        "acceptance_by_position": [round(x, 4) for x in stats.acceptance_by_position],
+        "target_forwards": stats.target_forwards,
+        "drafts": stats.drafted_by_position[0] if stats.drafted_by_position else 0,  # steps that verified drafts
+        "draft_tokens": stats.drafted_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "draft_time_s": round(stats.draft_time_s, 4),
+        "verify_time_s": round(stats.verify_time_s, 4),
+    }
+
+
+def finish_reason(result) -> str:
+    """OpenAI's ``finish_reason``: ``stop`` (EOS, end of turn or a stop string) or ``length``."""
+    return "length" if result.stop_reason == "length" else "stop"
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,425 @@
+"""``specwise serve`` end to end: a real uvicorn process on a free loopback port, the official
+``openai`` client and raw ``httpx`` reads, over a tiny random float64 model saved to disk.
+
+The server is a thin layer over :func:`specwise.generate`, so every text it returns is checked
+against ``generate`` run in this process on the same weights: streaming == non-streaming ==
+in-process, for each method it serves, with stop strings left out (also when one ends inside a
+block of accepted drafts) and Predicted Outputs counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+import specwise
+from conftest import make_model, make_tokenizer
+
+openai = pytest.importorskip("openai")
+
+KEY = "sk-test-key"
+CHAT_TEMPLATE = ("{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}"
+                 "{% if add_generation_prompt %}t5 {% endif %}")
+METHODS = ("ar", "pld", "lookahead")
+PROMPT = "t9 t17 t33 t9 t17 t40 t51"
+LONG_PROMPT = "t6 t46 t39 t36 t24 t107 t83"  # its greedy continuation meets no EOS in 500 tokens
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``specwise serve`` subprocess; ``stop()`` ends it."""
+
+    def __init__(self, model_dir: Path, *args: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        self.log = open(model_dir.parent / f"server-{self.port}.log", "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "specwise.cli", "serve", "--target", str(model_dir), "--dtype", "float64",
+             "--port", str(self.port), "--log-level", "warning", *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, Path(self.log.name).read_text()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise AssertionError("the server did not start: " + Path(self.log.name).read_text())
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    def healthy(self) -> bool:
+        return httpx.get(f"{self.url}/health", timeout=5).json()["status"] == "ok"
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("served") / "tiny"
+    make_model("llama").save_pretrained(path)
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    server = Server(model_dir, "--methods", ",".join(METHODS), "--api-key", KEY, "--max-tokens-cap", "256")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def target(model_dir):
+    return specwise.load_target(model_dir, dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _local(target, **kwargs) -> tuple[str, specwise.GenerationResult]:
+    """``specwise.generate`` in this process, as the server calls it: text as streamed, stop left out."""
+    pieces: list[str] = []
+    result = specwise.generate(target, text_streamer=pieces.append, include_stop=False, **kwargs)
+    return "".join(pieces), result
+
+
+def _speculative(method: str) -> dict:
+    return {"speculative": {"method": method}}
+
+
+# --------------------------------------------------------------------------------------------
+# outputs
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert server.healthy()
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "specwise_requests_total" in metrics and "specwise_queue_depth" in metrics
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_completions_stream_equals_non_stream_equals_generate(client, target, method):
+    expected, result = _local(target, prompt=PROMPT, method=method, max_new_tokens=40)
+    response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0,
+                                         extra_body=_speculative(method))
+    assert response.choices[0].text == expected
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == len(result.token_ids) == 40
+    assert response.usage.prompt_tokens == len(target.encode(PROMPT))
+    spec = response.model_extra["speculative_decoding"]
+    assert spec["method"] == method
+    assert spec["draft_tokens"] == result.stats.drafted_tokens and spec["accepted_tokens"] == result.stats.accepted_tokens
+    assert spec["mean_accepted_length"] == pytest.approx(result.stats.mean_accepted_length, abs=1e-4)
+    assert len(spec["acceptance_by_position"]) == len(result.stats.acceptance_by_position)
+    streamed = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0,
+                                              stream=True, extra_body=_speculative(method)))
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_chat_stream_equals_non_stream_equals_generate(client, target, method):
+    messages = [{"role": "system", "content": "t20 t21"}, {"role": "user", "content": "t30 t31 t32 t30 t31"}]
+    expected, result = _local(target, messages=messages, method=method, max_new_tokens=30)
+    response = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=30,
+                                              temperature=0, extra_body=_speculative(method))
+    assert response.choices[0].message.content == expected
+    assert response.choices[0].message.role == "assistant"
+    assert response.usage.completion_tokens == len(result.token_ids)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=30,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True},
+                                                 extra_body=_speculative(method)))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == len(result.token_ids)
+    assert usage_chunk.model_extra["speculative_decoding"]["method"] == method
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stop_strings_are_left_out_also_inside_an_accepted_block(client, target):
+    """With the exact output as the prediction, pld's steps accept blocks of several tokens; a stop
+    string ending mid-block cuts the text right before it, streamed or not."""
+    truth, _ = _local(target, prompt=PROMPT, max_new_tokens=40)
+    words = truth.split()
+    for start in (5, 12, 21):
+        stop = " ".join(words[start: start + 2])[:-1]  # ends inside a token
+        expected = truth[: truth.index(stop)]
+        kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop, "t999"],
+                      extra_body={**_speculative("pld"), "prediction": {"type": "content", "content": truth}})
+        response = client.completions.create(**kwargs)
+        assert response.choices[0].text == expected and response.choices[0].finish_reason == "stop"
+        assert response.model_extra["speculative_decoding"]["accepted_tokens"] >= 2
+        streamed = list(client.completions.create(stream=True, **kwargs))
+        assert "".join(c.choices[0].text for c in streamed) == expected
+        assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_predicted_outputs_are_counted_and_exact(client, target):
+    messages = [{"role": "user", "content": "t40 t41 t42"}]
+    truth, _ = _local(target, messages=messages, max_new_tokens=40)
+    edited = truth.replace(truth.split()[10], "t7", 1)
+    expected, result = _local(target, messages=messages, max_new_tokens=40, prediction=edited)
+    assert expected == truth
+    response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                              prediction={"type": "content", "content": edited})
+    assert response.choices[0].message.content == truth
+    details = response.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == result.stats.prediction_accepted_tokens > 20
+    assert details.rejected_prediction_tokens == result.stats.prediction_rejected_tokens > 0
+    assert response.model_extra["speculative_decoding"]["mean_accepted_length"] > 2
+
+
+def test_sampling_with_a_seed_is_reproducible_and_matches_generate(client, target):
+    expected, _ = _local(target, prompt=PROMPT, max_new_tokens=20, temperature=0.8, top_p=0.9, seed=11, method="pld")
+    kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0.8, top_p=0.9, seed=11,
+                  extra_body=_speculative("pld"))
+    assert client.completions.create(**kwargs).choices[0].text == expected
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs)) == expected
+
+
+def test_sse_framing_byte_for_byte(server, target):
+    expected, _ = _local(target, prompt=PROMPT, max_new_tokens=12)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(response.iter_raw())
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    pieces = []
+    for event in events[:-2]:
+        assert event.startswith(b"data: ") and b"\n" not in event
+        data = json.loads(event[len(b"data: "):])
+        assert data["object"] == "text_completion" and len(data["choices"]) == 1
+        pieces.append(data["choices"][0]["text"])
+    assert "".join(pieces) == expected
+    assert json.loads(events[-3][6:])["choices"][0]["finish_reason"] == "length"
+
+
+# --------------------------------------------------------------------------------------------
+# bad input: the right status, OpenAI's error JSON, and a healthy server afterwards
+
+GOOD_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "t5"}], "max_tokens": 4}
+BAD_REQUESTS = [
+    ("chat", {**GOOD_CHAT, "model": "gpt-4"}, 404, "model"),
+    ("chat", {**GOOD_CHAT, "messages": []}, 400, "messages"),
+    ("chat", {**GOOD_CHAT, "messages": [{"role": "wizard", "content": "t5"}]}, 400, "messages"),
+    ("chat", {**GOOD_CHAT, "messages": [{"role": "user", "content": "  "}]}, 400, "messages"),
+    ("chat", {**GOOD_CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    ("chat", {**GOOD_CHAT, "max_tokens": 10**6}, 400, "max_tokens"),
+    ("chat", {**GOOD_CHAT, "max_completion_tokens": 400}, 400, "max_completion_tokens"),  # beyond the context
+    ("chat", {**GOOD_CHAT, "top_p": 1.5}, 400, "top_p"),
+    ("chat", {**GOOD_CHAT, "top_p": -0.1}, 400, "top_p"),
+    ("chat", {**GOOD_CHAT, "temperature": -1}, 400, "temperature"),
+    ("chat", {**GOOD_CHAT, "temperature": 2.5}, 400, "temperature"),
+    ("chat", {**GOOD_CHAT, "n": 3}, 400, "n"),
+    ("chat", {**GOOD_CHAT, "logprobs": True}, 400, "logprobs"),
+    ("chat", {**GOOD_CHAT, "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("chat", {**GOOD_CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat", {**GOOD_CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("chat", {**GOOD_CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("chat", {**GOOD_CHAT, "speculative": {"method": "eagle"}}, 400, "speculative.method"),
+    ("chat", {**GOOD_CHAT, "speculative": {"method": "pld", "options": {"drafter_path": "/etc/passwd"}}}, 400,
+     "speculative.options.drafter_path"),
+    ("chat", {**GOOD_CHAT, "speculative": {"method": "pld", "options": {"num_draft_tokens": 10**6}}}, 400,
+     "speculative.options.num_draft_tokens"),
+    ("chat", {**GOOD_CHAT, "speculative": {"method": "pld", "options": {"num_draft_tokens": 0}}}, 400,
+     "speculative.options"),
+    ("chat", {**GOOD_CHAT, "prediction": {"type": "content", "content": ""}}, 400, "prediction"),
+    ("chat", {**GOOD_CHAT, "prediction": {"type": "image", "content": "x"}}, 400, "prediction.type"),
+    ("chat", {"messages": GOOD_CHAT["messages"]}, 400, "model"),
+    ("completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": ["t5", "t6"]}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": [5, 10**7]}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": "t5", "echo": True}, 400, "echo"),
+    ("completions", {"model": "tiny", "prompt": "t5", "best_of": 2}, 400, "best_of"),
+    ("completions", {"model": "tiny", "prompt": " ".join(["t5"] * 600)}, 413, "prompt"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param", BAD_REQUESTS,
+                         ids=[f"{i}-{p}" for i, (_, _, _, p) in enumerate(BAD_REQUESTS)])
+def test_bad_requests_get_openai_errors(server, endpoint, body, status, param):
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    response = httpx.post(f"{server.url}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    assert "Traceback" not in response.text
+    assert server.healthy()
+
+
+def test_malformed_json_oversize_body_and_keys(server):
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    url = f"{server.url}/v1/chat/completions"
+    cases = [
+        (httpx.post(url, content=b"{not json", headers=auth), 400),
+        (httpx.post(url, content=b"[1, 2]", headers=auth), 400),
+        (httpx.post(url, content=b"x" * (2 << 20), headers=auth), 413),
+        (httpx.post(url, json=GOOD_CHAT), 401),
+        (httpx.post(url, json=GOOD_CHAT, headers={"Authorization": "Bearer wrong"}), 401),
+        (httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Basic " + KEY}), 401),
+        (httpx.get(f"{server.url}/v1/nowhere", headers=auth), 404),
+    ]
+    for response, status in cases:
+        assert response.status_code == status, response.text
+        assert response.json()["error"]["message"]
+    assert server.healthy()
+
+
+def test_a_chat_request_to_a_target_without_a_template_is_a_clear_400(tmp_path_factory):
+    path = tmp_path_factory.mktemp("no-template") / "tiny"
+    make_model("llama").save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    server = Server(path)
+    try:
+        response = httpx.post(f"{server.url}/v1/chat/completions", json={**GOOD_CHAT}, timeout=30)
+        assert response.status_code == 400 and "chat template" in response.json()["error"]["message"]
+        ok = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3},
+                        timeout=30)
+        assert ok.status_code == 200
+    finally:
+        server.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# concurrency: disconnects, a full queue, the time limit, many clients
+
+
+def test_a_client_that_disconnects_mid_stream_frees_the_server(server, client):
+    body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 250, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as response:
+        next(response.iter_lines())
+    started = time.monotonic()
+    response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0)
+    assert response.choices[0].finish_reason == "length"
+    # the abandoned generation stopped at its next step instead of running its 250 tokens
+    assert time.monotonic() - started < 30
+    assert httpx.get(f"{server.url}/health").json()["waiting"] == 0
+
+
+def test_a_full_queue_is_503_and_the_time_limit_504(model_dir):
+    server = Server(model_dir, "--max-queue", "1", "--time-limit", "0.5")
+    try:
+        long = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 480, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=60) as running:
+            lines = running.iter_lines()
+            next(lines)  # generating now
+            waiting = threading.Thread(target=httpx.post, args=(f"{server.url}/v1/completions",),
+                                       kwargs=dict(json={**long, "stream": False}, timeout=60))
+            waiting.start()
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{server.url}/health").json()["waiting"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            refused = httpx.post(f"{server.url}/v1/completions", json={**long, "stream": False}, timeout=30)
+            assert refused.status_code == 503, refused.text
+            assert refused.headers["retry-after"] and refused.json()["error"]["type"] == "server_error"
+            rest = "\n".join(lines)
+        assert "ran past this server's time limit" in rest and rest.strip().endswith("data: [DONE]")
+        waiting.join()
+        timed_out = httpx.post(f"{server.url}/v1/completions", json={**long, "stream": False}, timeout=60)
+        assert timed_out.status_code == 504 and "time limit" in timed_out.json()["error"]["message"]
+        assert server.healthy()
+    finally:
+        server.stop()
+
+
+def test_32_concurrent_streaming_clients(server, target):
+    """32 clients x 3 streamed requests each: all complete with the in-process text, no errors, and
+    the server's memory after the run stays within 50 MB of where it was after a warm-up."""
+    expected, _ = _local(target, prompt=PROMPT, max_new_tokens=16, method="pld")
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stream": True,
+            "speculative": {"method": "pld"}}
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    def one() -> str:
+        text = []
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    data = json.loads(line[6:])
+                    assert "error" not in data, data
+                    text.append(data["choices"][0]["text"])
+        return "".join(text)
+
+    for _ in range(8):
+        one()
+    before = server.rss_mb()
+    results, errors = [], []
+
+    def client_thread() -> None:
+        try:
+            for _ in range(3):
+                results.append(one())
+        except Exception as exc:  # noqa: BLE001 - collected and reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=client_thread) for _ in range(32)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=180)
+    assert time.monotonic() - started < 180
+    assert not errors, errors[:3]
+    assert len(results) == 96 and set(results) == {expected}
+    assert server.rss_mb() - before < 50
+    assert server.healthy()
+
+
+def test_the_cli_refuses_bad_server_options_in_one_sentence(model_dir, capsys):
+    from specwise import cli
+
+    for args, words in [(["--method", "nope"], "nope"), (["--methods", "ar,nope"], "nope"),
+                        (["--max-tokens-cap", "0"], "--max-tokens-cap"), (["--time-limit", "0"], "--time-limit"),
+                        (["--option", "oops"], "KEY=VALUE"), (["--method", "pld", "--option", "num_draft_tokens=0"],
+                                                              "num_draft_tokens")]:
+        assert cli.main(["serve", "--target", str(model_dir), *args]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_greedy_ids_prompt(client, target):
+    """A prompt of token ids is read as generate reads it."""
+    ids = target.encode(PROMPT).tolist()
+    expected, _ = _local(target, prompt=torch.tensor(ids), max_new_tokens=8)
+    response = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
+    assert response.choices[0].text == expected
