@@ -8,6 +8,7 @@ Layers, lowest first (a module may import its own layer and the ones below it):
 - ``models``: the drafters' torch modules;
 - ``drafters``: the methods and their registry, checkpoints, drafter timing;
 - ``api``: ``generate``, ``build_drafter``, ``load_drafter``;
+- ``serve``: the OpenAI-compatible server over ``api``;
 - ``training``: corpus, features, trainer, recipes;
 - ``lab``: benchmark, analysis, demo, reports;
 - ``cli`` and the package root.
@@ -25,7 +26,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 #: each layer's top-level names under ``specwise``; "" is the package root
-LAYERS = (("errors", "prompts"), ("engine",), ("models",), ("drafters",), ("api",), ("training",), ("lab",),
+LAYERS = (("errors", "prompts"), ("engine",), ("models",), ("drafters",), ("api",), ("serve",), ("training",), ("lab",),
           ("cli", ""))
 
 

@@ -45,16 +45,18 @@ def _free_port() -> int:
 class Server:
     """A ``specwise serve`` subprocess; ``stop()`` ends it."""
 
-    def __init__(self, model_dir: Path, *args: str) -> None:
+    def __init__(self, model_dir: Path, *args: str, target: str | None = None) -> None:
+        """Serve the tiny float64 model in ``model_dir``, or ``target`` (with its dtype in ``args``);
+        the log goes next to ``model_dir``."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         self.log = open(model_dir.parent / f"server-{self.port}.log", "w")
+        what = ["--target", target] if target else ["--target", str(model_dir), "--dtype", "float64"]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "specwise.cli", "serve", "--target", str(model_dir), "--dtype", "float64",
-             "--port", str(self.port), "--log-level", "warning", *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
+            [sys.executable, "-m", "specwise.cli", "serve", *what, "--port", str(self.port), "--log-level", "warning",
+             *args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + (120 if target is None else 900)
         while time.monotonic() < deadline:
             assert self.process.poll() is None, Path(self.log.name).read_text()
             try:

@@ -32,7 +32,6 @@ from specwise.serve.protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
-    error_body,
     finish_reason,
     now,
     speculative_decoding,
@@ -77,17 +76,22 @@ class ServerConfig:
     default_options: dict = field(default_factory=dict)
 
 
-def create_app(target, config: ServerConfig) -> FastAPI:
-    """The app serving ``target``; builds the allowed methods' drafters and starts the worker.
+def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> FastAPI:
+    """The app serving ``target``; builds the allowed methods' drafters.
+
+    Args:
+        worker_thread: run generations on a thread of the worker's own; ``False`` leaves
+            ``app.state.worker.run()`` to the caller (``specwise serve`` runs it on the main thread).
 
     Raises:
         SpecwiseError: a method's drafter cannot be built for the target.
     """
     metrics = ServerMetrics()
+    started = now()
     methods = list(dict.fromkeys([config.default_method, *config.methods]))
     worker = GenerationWorker(target, methods, config.max_queue, config.time_limit_s, metrics,
                               {config.default_method: dict(config.default_options)})
-    worker.start()
+    worker.start(thread=worker_thread)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -149,7 +153,7 @@ def create_app(target, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
         metrics.requests.labels("/v1/models", "200").inc()
-        return {"object": "list", "data": [{"id": config.model, "object": "model", "created": _STARTED,
+        return {"object": "list", "data": [{"id": config.model, "object": "model", "created": started,
                                             "owned_by": "specwise"}]}
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
@@ -167,7 +171,7 @@ def create_app(target, config: ServerConfig) -> FastAPI:
         if body.stream:
             metrics.requests.labels(endpoint, "200").inc()
             return EventSourceResponse(stream(job, body, chat, prompt_tokens))
-        pieces, result = [], None
+        result = None
         try:
             while result is None:
                 try:
@@ -177,17 +181,14 @@ def create_app(target, config: ServerConfig) -> FastAPI:
                         job.cancel()
                         return Response(status_code=499)
                     continue
-                if kind == "text":
-                    pieces.append(value)
-                elif kind == "error":
+                if kind == "error":
                     raise value
-                else:
-                    result = value
+                result = value
         finally:
             job.cancel()  # a no-op once finished; frees the job if this handler was cancelled
         finished(job, result, prompt_tokens)
         metrics.requests.labels(endpoint, "200").inc()
-        text = "".join(pieces)
+        text = "".join(job.pieces)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": finish_reason(result)}
@@ -242,8 +243,8 @@ def create_app(target, config: ServerConfig) -> FastAPI:
         if job.first_token is not None:
             metrics.time_to_first_token.observe(job.first_token - job.submitted)
         stats = result.stats
-        log.info("%s method=%s prompt_tokens=%d completion_tokens=%d tau=%.2f accepted_prediction=%d "
-                 "latency_s=%.3f queued_s=%.3f finish=%s", job.id, stats.method, prompt_tokens,
+        log.info("%s user=%s method=%s prompt_tokens=%d completion_tokens=%d tau=%.2f accepted_prediction=%d "
+                 "latency_s=%.3f queued_s=%.3f finish=%s", job.id, job.user or "-", stats.method, prompt_tokens,
                  len(result.token_ids), stats.mean_accepted_length, stats.prediction_accepted_tokens,
                  end - job.submitted, (job.started or end) - job.submitted, finish_reason(result))
 
@@ -299,14 +300,14 @@ def create_app(target, config: ServerConfig) -> FastAPI:
                            "messages" if chat else "prompt")
         kwargs["max_new_tokens"] = asked if asked is not None else min(config.max_tokens_cap, room)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        job = Job(request_id, kwargs, method, options, deadline=float("inf"), loop=asyncio.get_running_loop())
+        job = Job(request_id, kwargs, method, options, deadline=float("inf"), loop=asyncio.get_running_loop(),
+                  stream=body.stream, user=body.user)
         return job, prompt_tokens
 
     return app
 
 
 _ENDPOINTS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
-_STARTED = now()
 
 
 class _BodyLimit:

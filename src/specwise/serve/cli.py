@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 from pathlib import Path
 
 from specwise.drafters import METHODS
@@ -76,10 +77,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           methods=tuple(dict.fromkeys(methods)), api_key=args.api_key, max_queue=args.max_queue,
                           max_tokens_cap=args.max_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
                           time_limit_s=args.time_limit, default_options=options)
-    app = create_app(target, config)
+    app = create_app(target, config, worker_thread=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=False))
+    worker = app.state.worker
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:
+            worker.close()  # ends worker.run() below
+
+    http = threading.Thread(target=serve_http, name="specwise-http")
+    http.start()
     print(f"specwise: serving {config.model} with {default} (also: {', '.join(config.methods[1:]) or 'none'}) "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    try:
+        worker.run()  # generations on the main thread: torch's CPU forwards are slower on any other
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        http.join()
+    if not server.started:
+        raise ConfigError(f"could not serve on {args.host}:{args.port} (is the port in use?).")
     return 0
 
 

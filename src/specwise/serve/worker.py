@@ -1,8 +1,10 @@
-"""One target, one generation at a time: a worker thread fed by a bounded FIFO queue.
+"""One target, one generation at a time: a worker fed by a bounded FIFO queue.
 
 A forward on the CPU uses every core, so two generations at once would only slow each other down;
 the worker runs them one after the other, off the event loop, through :func:`specwise.generate`
-(the server has no decoding path of its own). Each job streams its text pieces back to the event
+(the server has no decoding path of its own). ``specwise serve`` runs the worker on the process's
+main thread and the event loop on another: torch's CPU forwards measured markedly slower on any
+thread but the main one (docs/serve.md). Each job streams its text pieces back to the event
 loop as they are committed; a job whose client went away, or that ran past the time limit, is
 stopped at its next step and its state (KV cache, drafter state) is freed with it.
 """
@@ -77,8 +79,10 @@ class Job:
         kwargs: keyword arguments of :func:`specwise.generate` (prompt or messages, sampling, stop, ...).
         method, options: the drafter.
         deadline: ``time.monotonic()`` after which the job is stopped.
-        events: ``("text", str)``, then ``("done", GenerationResult)`` or ``("error", ApiError)``,
-            delivered on the event loop.
+        stream: whether the text is wanted piece by piece; otherwise it is gathered in ``pieces``
+            on the worker's thread (no event per step for a client that reads only the end).
+        events: ``("text", str)`` pieces when streaming, then ``("done", GenerationResult)`` or
+            ``("error", ApiError)``, delivered on the event loop.
     """
 
     id: str
@@ -87,6 +91,9 @@ class Job:
     options: dict[str, Any]
     deadline: float
     loop: asyncio.AbstractEventLoop
+    stream: bool = True
+    user: str | None = None  # OpenAI's end-user id, logged with the request
+    pieces: list[str] = dataclasses.field(default_factory=list)
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     started: float | None = None
@@ -132,20 +139,22 @@ class GenerationWorker:
         self._waiting = 0
         self._drafters: dict[str, Any] = {}
         self._cached: OrderedDict[tuple, Any] = OrderedDict()
-        self._thread = threading.Thread(target=self._run, name="specwise-worker", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="specwise-worker", daemon=True)
 
-    def start(self) -> None:
-        """Build every allowed method's default drafter (loading its weights) and start the thread.
+    def start(self, thread: bool = True) -> None:
+        """Build every allowed method's default drafter (loading its weights); with ``thread``, start
+        running jobs on a thread of the worker's own (else the caller runs :meth:`run`).
 
         Raises:
             SpecwiseError: a method or its drafter cannot be built for the target.
         """
         for method in self.methods:
             self._drafters[method] = build_drafter(self.target, method, **self.built_options.get(method, {}))
-        self._thread.start()
+        if thread:
+            self._thread.start()
 
     def close(self) -> None:
-        """Finish the running job, drop the waiting ones, stop the thread."""
+        """Let the running job finish, refuse the waiting ones (503), and end :meth:`run`."""
         with self._lock:
             while True:
                 try:
@@ -155,7 +164,8 @@ class GenerationWorker:
                 if job is not None:
                     job.emit("error", ApiError(503, "the server is shutting down.", kind="server_error"))
             self._jobs.put(None)
-        self._thread.join(timeout=60)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
 
     @property
     def waiting(self) -> int:
@@ -175,7 +185,8 @@ class GenerationWorker:
             self.metrics.queue_depth.set(self._waiting)
             self._jobs.put(job)
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Run jobs in order until :meth:`close`."""
         while True:
             job = self._jobs.get()
             if job is None:
@@ -214,7 +225,10 @@ class GenerationWorker:
             job.check()
 
         def on_text(piece: str) -> None:
-            job.emit("text", piece)
+            if job.stream:
+                job.emit("text", piece)
+            else:
+                job.pieces.append(piece)
 
         job.check()
         return generate(self.target, drafter=self._drafter(job.method, job.options), streamer=on_tokens,
