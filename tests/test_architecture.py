@@ -44,9 +44,13 @@ MODULES = _modules()
 
 
 def _imports(path: Path) -> list[tuple[str, bool]]:
-    """The specwise modules ``path`` imports, each with whether the import is at module level."""
+    """The specwise modules ``path`` imports, each with whether the import is at module level (a
+    module-level ``try`` guarding an optional extra's import counts as module level)."""
     tree = ast.parse(path.read_text())
     top_level = {id(node) for node in tree.body}
+    for node in tree.body:
+        if isinstance(node, ast.Try):
+            top_level |= {id(n) for n in node.body + node.orelse}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("specwise"):

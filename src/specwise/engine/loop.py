@@ -37,8 +37,7 @@ def speculative_generate(
     stop_strings: Sequence[str] = (),
     streamer: Callable[[list[int]], None] | None = None,
     text_streamer: Callable[[str], None] | None = None,
-    eos_token_ids: frozenset[int] | None = None,
-    include_stop: bool = True,
+    eos_token_ids: frozenset[int] | None = None, include_stop: bool = True,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with one drafter.
 

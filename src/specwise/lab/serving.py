@@ -28,6 +28,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from specwise.api import build_drafter, generate
+from specwise.engine.aliases import KNOWN_TARGETS
+from specwise.engine.target import load_target
+from specwise.prompts import default_prompt_records, is_held_out, load_prompts, take_per_category
+
 EDITS = {
     "rename": "Rename the parameter `{param}` to `{param}_value` everywhere in this function. "
               "Reply with the whole function in one Python code block and nothing else.",
@@ -87,8 +92,6 @@ def predicted_outputs_benchmark(target, requests: list[dict], *, method: str = "
         one dict per request: ids, wall times (s), tokens, τ, accepted/rejected prediction tokens,
         ``speedup`` (plain wall / predicted wall) and ``same_text``.
     """
-    from specwise.api import generate
-
     rows = []
     for i, request in enumerate(requests):
         runs = {}
@@ -172,10 +175,6 @@ def overhead_benchmark(target_name: str, prompts: list[str], *, method: str | No
     Returns:
         ``{"method", "timings": [StreamTiming as dict], "summary": {...}}``.
     """
-    from specwise.api import build_drafter, generate
-    from specwise.engine.aliases import KNOWN_TARGETS
-    from specwise.engine.target import load_target
-
     known = KNOWN_TARGETS.get(target_name)
     method = method or (known.best_method if known else "ar")
     with socket.socket() as s:
@@ -322,8 +321,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(markdown_report(loaded["overhead"], loaded["predicted"], commands))
         return 0
     if args.kind == "overhead":
-        from specwise.prompts import default_prompt_records, is_held_out, load_prompts, take_per_category
-
         records = load_prompts(args.prompts) if args.prompts else default_prompt_records()
         records = take_per_category([r for r in records if is_held_out(r)] if args.prompts else records,
                                     args.per_category)
@@ -331,8 +328,6 @@ def main(argv: list[str] | None = None) -> int:
                                     weights=args.weights, rounds=args.rounds, max_tokens=args.max_tokens or 128,
                                     progress=progress)
     else:
-        from specwise.engine.target import load_target
-
         target = load_target(args.target or "qwen2.5-coder-1.5b-instruct",
                              weights=None if args.weights == "auto" else args.weights)
         rows = predicted_outputs_benchmark(target, code_edit_requests(args.problems), method=args.method or "ar",

@@ -12,7 +12,17 @@ from specwise.drafters import METHODS
 from specwise.drafters.spec import parse_option_value
 from specwise.engine.aliases import KNOWN_TARGETS
 from specwise.engine.native.weights import WEIGHTS, WEIGHTS_HELP
+from specwise.engine.target import load_target
 from specwise.errors import ConfigError
+
+try:  # the [serve] extra; without it every other command still works
+    import uvicorn
+
+    from specwise.serve.app import ServerConfig, create_app
+except ImportError as exc:
+    _MISSING: str | None = exc.name
+else:
+    _MISSING = None
 
 #: methods every server can offer without weights (besides the default)
 _ALWAYS = ("ar", "pld")
@@ -42,15 +52,9 @@ def add_serve_args(p: argparse.ArgumentParser, default_target: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        import uvicorn
-
-        from specwise.serve.app import ServerConfig, create_app
-    except ImportError as exc:
-        raise ConfigError(f"specwise serve needs the [serve] extra ({exc.name} is missing): "
-                          "pip install 'specwise[serve]'.") from None
-    from specwise.engine.target import load_target
-
+    if _MISSING is not None:
+        raise ConfigError(f"specwise serve needs the [serve] extra ({_MISSING} is missing): "
+                          "pip install 'specwise[serve]'.")
     known = KNOWN_TARGETS.get(args.target)
     default = args.method or (known.best_method if known else "ar")
     METHODS.get(default)  # an unknown method: one sentence before the model load
