@@ -75,13 +75,16 @@ class Server:
     def healthy(self) -> bool:
         return httpx.get(f"{self.url}/health", timeout=5).json()["status"] == "ok"
 
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGINT)
+    def stop(self, sig: int = signal.SIGINT) -> int | None:
+        """Send ``sig``; the exit code, or ``None`` if the process had to be killed."""
+        self.process.send_signal(sig)
         try:
-            self.process.wait(timeout=20)
+            code = self.process.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.process.kill()
+            code = None
         self.log.close()
+        return code
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +209,12 @@ def test_predicted_outputs_are_counted_and_exact(client, target):
     assert response.model_extra["speculative_decoding"]["mean_accepted_length"] > 2
 
 
+def test_a_negative_seed_is_its_twos_complement(client, target):
+    expected, _ = _local(target, prompt=PROMPT, max_new_tokens=10, temperature=1.0, seed=2**64 - 5)
+    response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=1.0, seed=-5)
+    assert response.choices[0].text == expected
+
+
 def test_sampling_with_a_seed_is_reproducible_and_matches_generate(client, target):
     expected, _ = _local(target, prompt=PROMPT, max_new_tokens=20, temperature=0.8, top_p=0.9, seed=11, method="pld")
     kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0.8, top_p=0.9, seed=11,
@@ -268,6 +277,7 @@ BAD_REQUESTS = [
     ("chat", {"messages": GOOD_CHAT["messages"]}, 400, "model"),
     ("completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": ["t5", "t6"]}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": 5}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": [5, 10**7]}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": "t5", "echo": True}, 400, "echo"),
     ("completions", {"model": "tiny", "prompt": "t5", "best_of": 2}, 400, "best_of"),
@@ -292,6 +302,7 @@ def test_malformed_json_oversize_body_and_keys(server):
     url = f"{server.url}/v1/chat/completions"
     cases = [
         (httpx.post(url, content=b"{not json", headers=auth), 400),
+        (httpx.post(url, content=json.dumps(GOOD_CHAT).encode(), headers={**auth, "Content-Type": "text/plain"}), 400),
         (httpx.post(url, content=b"[1, 2]", headers=auth), 400),
         (httpx.post(url, content=b"x" * (2 << 20), headers=auth), 413),
         (httpx.post(url, json=GOOD_CHAT), 401),
@@ -302,6 +313,7 @@ def test_malformed_json_oversize_body_and_keys(server):
     for response, status in cases:
         assert response.status_code == status, response.text
         assert response.json()["error"]["message"]
+    assert "Content-Type: application/json" in cases[1][0].json()["error"]["message"]
     assert server.healthy()
 
 
@@ -313,11 +325,12 @@ def test_a_chat_request_to_a_target_without_a_template_is_a_clear_400(tmp_path_f
     try:
         response = httpx.post(f"{server.url}/v1/chat/completions", json={**GOOD_CHAT}, timeout=30)
         assert response.status_code == 400 and "chat template" in response.json()["error"]["message"]
+        assert "/v1/completions" in response.json()["error"]["message"]
         ok = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3},
                         timeout=30)
         assert ok.status_code == 200
     finally:
-        server.stop()
+        assert server.stop(signal.SIGTERM) == 0  # SIGTERM shuts down as Ctrl-C does
 
 
 # --------------------------------------------------------------------------------------------

@@ -108,6 +108,8 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
 
     def answer_error(request: Request, exc: ApiError) -> JSONResponse:
         metrics.requests.labels(endpoint_of(request), str(exc.status)).inc()
+        log.info("%s %s refused: %d param=%s %s", request.method, request.url.path, exc.status, exc.param or "-",
+                 exc.message)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(ApiError)
@@ -116,6 +118,9 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
+        if "json" not in request.headers.get("content-type", ""):
+            return answer_error(request, ApiError(400, "send the request body as JSON with the header "
+                                                       "'Content-Type: application/json'."))
         return answer_error(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
@@ -179,6 +184,7 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         job.cancel()
+                        log.info("%s cancelled: the client went away", job.id)
                         return Response(status_code=499)
                     continue
                 if kind == "error":
@@ -213,6 +219,7 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
                 return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
             return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
 
+        done = False
         try:
             if chat:
                 yield chunk([choice(None, None, role=True)])
@@ -233,8 +240,11 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
                         yield format_sse_event(data_str=_json(data))
                     break
             yield format_sse_event(data_str="[DONE]")
+            done = True
         finally:
             job.cancel()
+            if not done:
+                log.info("%s cancelled: the client went away mid-stream", job.id)
 
     def finished(job: Job, result, prompt_tokens: int) -> None:
         end = time.monotonic()
@@ -281,7 +291,8 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
                 prompt_ids = await asyncio.to_thread(encode_prompt, target, body.prompt)
                 kwargs["prompt"] = prompt_ids
         except SpecwiseError as exc:
-            raise ApiError(400, str(exc), "messages" if chat else "prompt") from None
+            hint = " Send a text prompt to /v1/completions instead." if chat and "chat template" in str(exc) else ""
+            raise ApiError(400, str(exc) + hint, "messages" if chat else "prompt") from None
         prompt_tokens = int(prompt_ids.numel())
         limit = config.max_prompt_tokens or target.max_context
         if prompt_tokens > limit:
@@ -363,6 +374,8 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     if kind == "json_invalid" or not loc and kind in ("model_attributes_type", "dict_type"):
         return ApiError(400, "the request body is not a valid JSON object.")
     param = _param(loc)
+    if param == "prompt" and kind != "value_error":
+        return ApiError(400, "prompt must be a text, a list of token ids, or a list of one text.", param)
     if kind == "missing":
         return ApiError(400, f"missing required parameter {param!r}.", param)
     if kind == "extra_forbidden":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -38,14 +39,15 @@ def add_serve_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of the default method, e.g. num_draft_tokens=8 (repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; beyond, 503 (default 64)")
     p.add_argument("--max-tokens-cap", type=int, default=2048, help="most new tokens per request (default 2048)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt (default: the context)")
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds a generation may run (default 600)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"],
+                   help="the target's dtype (default bfloat16)")
     p.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -96,6 +98,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     http.start()
     print(f"specwise: serving {config.model} with {default} (also: {', '.join(config.methods[1:]) or 'none'}) "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    # SIGTERM (systemd, docker) shuts down as Ctrl-C does: uvicorn, on its own thread, cannot catch it
+    signal.signal(signal.SIGTERM, lambda *_: signal.default_int_handler(signal.SIGINT, None))
     try:
         worker.run()  # generations on the main thread: torch's CPU forwards are slower on any other
     except KeyboardInterrupt:

@@ -35,11 +35,11 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         """``{"error": {"message", "type", "param", "code"}}``."""
-        return error_body(self.message, self.kind, self.param, self.status)
+        return error_body(self.message, self.kind, self.param)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: int | str | None = None) -> dict:
+               code: str | None = None) -> dict:
     """OpenAI's error JSON."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -125,9 +125,9 @@ class _Request(_Strict):
     @field_validator("seed")
     @classmethod
     def _seed(cls, value):
-        if value is not None and not 0 <= value < 2**64:
-            raise ValueError("must be an integer in [0, 2**64)")
-        return value
+        if value is not None and not -(2**63) <= value < 2**64:
+            raise ValueError("must be an integer in [-2**63, 2**64)")
+        return None if value is None else value % 2**64  # a negative seed is its two's complement
 
     @field_validator("stop")
     @classmethod
