@@ -94,7 +94,14 @@ class _Request(_Strict):
     prediction: PredictionContent | None = None
     speculative: Speculative | None = None
 
-    @field_validator("max_tokens")
+    @field_validator("logprobs", "top_logprobs", "echo", "suffix", check_fields=False)
+    @classmethod
+    def _unsupported(cls, value):
+        if value:
+            raise ValueError("is not supported by this server")
+        return value
+
+    @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
     @classmethod
     def _positive(cls, value):
         if value is not None and value < 1:
@@ -174,32 +181,11 @@ class CompletionRequest(_Request):
             return value[0]
         return value
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value):
-        if value:
-            raise ValueError("is not supported by this server")
-        return value
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value):
-        if value:
-            raise ValueError("is not supported by this server")
-        return value
-
     @field_validator("best_of")
     @classmethod
     def _no_best_of(cls, value):
         if value not in (None, 1):
             raise ValueError("only best_of=1 is supported")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value):
-        if value:
-            raise ValueError("is not supported by this server")
         return value
 
 
@@ -226,27 +212,6 @@ class ChatRequest(_Request):
     def _some_messages(cls, value):
         if not value:
             raise ValueError("must hold at least one message")
-        return value
-
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _positive_completion(cls, value):
-        if value is not None and value < 1:
-            raise ValueError("must be at least 1")
-        return value
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value):
-        if value:
-            raise ValueError("is not supported by this server")
-        return value
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, value):
-        if value:
-            raise ValueError("is not supported by this server")
         return value
 
     @property
