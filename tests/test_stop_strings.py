@@ -60,23 +60,6 @@ def _run(target, stops, *, k: int | None, max_new_tokens: int = N, include_stop:
     return result
 
 
-@pytest.mark.parametrize("k", [None, 1, 3, 8])
-@pytest.mark.parametrize("index", [0, 4, 5, 9])
-def test_a_stop_string_left_out_of_the_text_and_the_stream(index, k):
-    """``include_stop=False`` (OpenAI's ``stop``): the text and the streamed pieces end right before
-    the stop string, wherever it ends inside a token and inside a block of accepted drafts; the tokens
-    still run up to the one that completed it."""
-    target = make_target("llama", eos=())
-    continuation = _continuation()
-    text = _special_text(target, continuation)
-    start, end = _token_spans(target, continuation)[index]
-    first = _token_spans(target, continuation)[max(index - 2, 0)][0]
-    for cut in range(start + 1, end + 1):
-        stop = text[first:cut]
-        result = _run(target, [stop], k=k, include_stop=False)
-        assert result.text == text[:first] and result.token_ids[-1] == continuation[index]
-
-
 def _token_spans(target, ids):
     """(start, end) character span of each token in the decoded text."""
     spans, start = [], 0
@@ -87,11 +70,14 @@ def _token_spans(target, ids):
     return spans
 
 
+@pytest.mark.parametrize("include_stop", [True, False])
 @pytest.mark.parametrize("k", [None, 1, 3, 8])
 @pytest.mark.parametrize("index", [0, 3, 4, 5, 9])
-def test_a_stop_string_ending_at_every_character_of_a_token(index, k):
+def test_a_stop_string_ending_at_every_character_of_a_token(index, k, include_stop):
     """The stop string starts two tokens earlier and ends at each character offset of token ``index``
-    (with k=3, token 4 closes step 0 and token 5 opens step 1): the text must end exactly there."""
+    (with k=3, token 4 closes step 0 and token 5 opens step 1): the text must end exactly there, or,
+    with ``include_stop=False`` (OpenAI's ``stop``), right before the stop string, in the text and the
+    streamed pieces alike; the tokens still run up to the one that completed it."""
     target = make_target("llama", eos=())
     continuation = _continuation()
     text = _special_text(target, continuation)
@@ -99,8 +85,12 @@ def test_a_stop_string_ending_at_every_character_of_a_token(index, k):
     first = _token_spans(target, continuation)[max(index - 2, 0)][0]
     for cut in range(start + 1, end + 1):
         stop = text[first:cut]
-        result = _run(target, [stop], k=k)
-        assert result.text.endswith(stop) and result.token_ids[-1] == continuation[index]
+        result = _run(target, [stop], k=k, include_stop=include_stop)
+        if include_stop:
+            assert result.text.endswith(stop)
+        else:
+            assert result.text == text[:first]
+        assert result.token_ids[-1] == continuation[index]
 
 
 def test_the_completing_token_does_not_leak_past_the_stop_string():
