@@ -44,6 +44,10 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+#: OpenAI's ranges of the sampling parameters
+_RANGES = {"temperature": (0, 2), "top_p": (0, 1)}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -108,18 +112,12 @@ class _Request(_Strict):
             raise ValueError("must be at least 1")
         return value
 
-    @field_validator("temperature")
+    @field_validator("temperature", "top_p")
     @classmethod
-    def _temperature(cls, value):
-        if not 0 <= value <= 2:
-            raise ValueError("must be between 0 and 2")
-        return value
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, value):
-        if not 0 <= value <= 1:
-            raise ValueError("must be between 0 and 1")
+    def _in_range(cls, value, info):
+        low, high = _RANGES[info.field_name]
+        if not low <= value <= high:
+            raise ValueError(f"must be between {low} and {high}")
         return value
 
     @field_validator("n")
