@@ -6,6 +6,7 @@ Layers, lowest first (a module may import its own layer and the ones below it):
 - ``engine``: the loop, the one-forward verification step, the pure verification maths, the tree,
   the cache, the target adapter, sampling, types, the cost model and the forward timing;
 - ``models``: the drafters' torch modules;
+- ``interop``: the drafters in other projects' formats (detect, import, export);
 - ``drafters``: the methods and their registry, checkpoints, drafter timing;
 - ``api``: ``generate``, ``build_drafter``, ``load_drafter``;
 - ``serve``: the OpenAI-compatible server over ``api``;
@@ -26,7 +27,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 #: each layer's top-level names under ``specwise``; "" is the package root
-LAYERS = (("errors", "prompts"), ("engine",), ("models",), ("drafters",), ("api",), ("serve",), ("training",), ("lab",),
+LAYERS = (("errors", "prompts"), ("engine",), ("models",), ("interop",), ("drafters",), ("api",), ("serve",), ("training",), ("lab",),
           ("cli", ""))
 
 

@@ -186,3 +186,13 @@ def test_packed_target_samples_its_own_distribution():
         accepted += result.stats.accepted_tokens
     assert 0 < accepted < drafted
     assert_distribution(counts, exact, "packed target: sampled sequences")
+
+
+def test_forward_timing_rolls_back_a_sliding_window_cache():
+    """The auto choice times forwards after a cached prefix; a Gemma-like model's sliding-window
+    layers must roll back like the full ones (transformers 5 takes a negative count)."""
+    from specwise.engine.native.weights import forward_ms
+
+    model = make_model("gemma3", dtype=torch.float32, sliding_window=8)
+    step, verify = forward_ms(model, context=16, repeats=2)
+    assert step > 0 and verify > 0

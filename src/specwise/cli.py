@@ -36,7 +36,7 @@ from specwise.lab.demo import run_demo
 from specwise.lab.report import stats_table
 from specwise.prompts import default_prompt_records, is_held_out, load_prompts, take_per_category
 from specwise.serve.cli import add_serve_args, cmd_serve
-from specwise.training.cli import add_data_args, add_export_args, add_train_args
+from specwise.training.cli import add_data_args, add_drafter_export_args, add_export_args, add_train_args
 
 DEFAULT_TARGET = "gemma-3-270m"
 
@@ -269,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible server (completions, chat, streaming, Predicted Outputs)")
     add_serve_args(serve, DEFAULT_TARGET)
     serve.set_defaults(func=cmd_serve)
+    add_drafter_export_args(sub.add_parser("export", help="write a trained drafter for vLLM, SGLang or llama.cpp"),
+                            DEFAULT_TARGET)
     add_export_args(sub.add_parser("export-hf", help="write a draft LM as a plain Hugging Face causal LM"),
                     DEFAULT_TARGET)
     return parser

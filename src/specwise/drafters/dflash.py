@@ -54,7 +54,8 @@ from specwise.drafters.trained import (
 )
 from specwise.engine.tree import best_nodes_tree, log_threshold
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
-from specwise.errors import ConfigError
+from specwise.errors import ConfigError, DrafterError
+from specwise.interop.formats import check_method
 from specwise.models.common import HeadCache
 from specwise.models.dflash import DFlashConfig, DFlashModel
 
@@ -99,6 +100,10 @@ def load_dflash(path, target) -> DFlashModel:
     Raises:
         DrafterError: not a DFlash checkpoint, trained for another target, or weights that do not fit.
     """
+    found_format = check_method(path, "dflash")
+    if found_format is not None:
+        raise DrafterError(f"{path} holds a {found_format.label} drafter; importing that format is not supported yet "
+                           "(docs/interop.md).")
     model, found = load_vocabulary_module(path, target, "dflash", DRAFTER.the(), DFlashConfig,
                                           lambda config, vocab: DFlashModel(target, config, vocab, initialize=False),
                                           tuple_fields=("feature_layers",), extras=("default_draft_tokens",))

@@ -56,6 +56,8 @@ from specwise.drafters.trained import (
 from specwise.engine.tree import best_nodes_tree, log_threshold
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError
+from specwise.interop.eagle3 import read_eagle3
+from specwise.interop.formats import check_method
 from specwise.models.common import HeadCache
 from specwise.models.eagle import EagleConfig, EagleHead
 
@@ -94,11 +96,15 @@ class EagleDrafterConfig(TrainedDrafterConfig):
 
 
 def load_eagle_head(path, target) -> EagleHead:
-    """Load an EAGLE head checkpoint for ``target`` (in the target's dtype and device).
+    """Load an EAGLE head for ``target`` (in the target's dtype and device): a specwise checkpoint, or
+    one in the speculators or SpecForge format (:func:`specwise.interop.eagle3.read_eagle3`).
 
     Raises:
-        DrafterError: not an EAGLE checkpoint, trained for another target, or weights that do not fit.
+        DrafterError: not an EAGLE checkpoint, trained for another target, a public head that does
+            not fit the target, or weights that do not fit.
     """
+    if check_method(path, "eagle") is not None:
+        return read_eagle3(path, target)
     head, _ = load_vocabulary_module(path, target, "eagle", HEAD.the(), EagleConfig,
                                      lambda config, vocab: EagleHead(target, config, vocab, initialize=False),
                                      tuple_fields=("feature_layers",))
@@ -131,11 +137,11 @@ class EagleDrafter(TrainedDrafter):
                               f"({head.config.draft_vocab_size} tokens).")
         self.head = head
         self.target_hidden_layers = tuple(head.config.feature_layers)
-        self.setup_lookup(target)
+        self.setup_lookup(target, head.origin)
 
     def reset_model(self) -> None:
         cfg = self.head.config
-        self.cache = HeadCache(cfg.num_heads, cfg.head_dim, self.head.fc.weight.dtype, self.head.fc.weight.device)
+        self.cache = HeadCache(cfg.kv_heads, cfg.head_dim, self.head.fc.weight.dtype, self.head.fc.weight.device)
         self._pending_features: list[torch.Tensor] = []  # [n, F*H] fused target features not yet cached
         self._pending_tokens: list[torch.Tensor] = []  # [n] the token after each of those positions
 
@@ -164,7 +170,7 @@ class EagleDrafter(TrainedDrafter):
         q, k, v = head.project(feature, head.embed(tokens), positions)
         self.cache.append(k, v)
         # only the last entry's output is needed: the other entries are keys and values for later
-        begin = max(0, self.cache.length - head.config.window)
+        begin = max(0, self.cache.length - head.config.attention_window)
         keys, values = self.cache.keys[begin: self.cache.length], self.cache.values[begin: self.cache.length]
         allowed = torch.ones(1, keys.shape[0], dtype=torch.bool, device=keys.device)
         attended = head.attend(q[-1:], keys, values, allowed)
@@ -188,7 +194,7 @@ class EagleDrafter(TrainedDrafter):
         k = cfg.tree_top_k
         cache = self.cache
         base = cache.length  # rotary position of a depth-1 node's entry; its scratch row
-        begin = max(0, base - head.config.window)
+        begin = max(0, base - head.config.attention_window)
         m = base - begin  # committed entries every tree node sees
         # the expanded nodes' keys and values go to scratch rows past the committed ones (never
         # committed: the next catch-up overwrites them), so each level attends to a view, not a copy

@@ -42,6 +42,8 @@ from specwise.engine.lossy import TypicalAcceptance
 from specwise.engine.tree import DraftTree, best_nodes_tree, log_threshold
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError
+from specwise.interop.formats import check_method
+from specwise.interop.medusa import read_medusa
 from specwise.models.medusa import MedusaConfig, MedusaHeads
 from specwise.models.medusa_tree import tree_from_paths
 
@@ -101,8 +103,13 @@ def load_medusa_heads(path, target) -> tuple[MedusaHeads, MedusaTree]:
     """Load Medusa heads and their calibrated tree for ``target`` (in its dtype and on its device).
 
     Raises:
-        DrafterError: not a Medusa checkpoint, trained for another target, or weights that do not fit.
+        DrafterError: not a Medusa checkpoint, trained for another target, or weights that do not fit
+            (heads in FasterDecoding's format are read by :func:`specwise.interop.medusa.read_medusa`,
+            with the top-1 chain as their tree).
     """
+    if check_method(path, "medusa") is not None:
+        heads = read_medusa(path, target)
+        return heads, chain_tree(heads.config.num_heads)
     heads, found = load_vocabulary_module(path, target, "medusa", HEADS.the(), MedusaConfig,
                                           lambda config, vocab: MedusaHeads(target, config, vocab), extras=("tree",))
     tree = MedusaTree.from_dict(found["tree"]) if found["tree"] else chain_tree(heads.config.num_heads)
@@ -155,7 +162,7 @@ class MedusaDrafter(TrainedDrafter):
         self._acceptance = (TypicalAcceptance(config.posterior_threshold, config.posterior_alpha)
                             if config.acceptance == "typical-lossy" else EXACT)
         self.target_hidden_layers = (heads.config.hidden_layer,)
-        self.setup_lookup(target)
+        self.setup_lookup(target, heads.origin)
 
     def reset_model(self) -> None:
         self._hidden: torch.Tensor | None = None  # [H] the target's final hidden state at the root's parent

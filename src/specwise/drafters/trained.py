@@ -10,6 +10,7 @@ model's draft, then the lookup grafted on".
 
 from __future__ import annotations
 
+import warnings
 from abc import abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,9 +100,16 @@ class TrainedDrafter(Drafter):
     config: TrainedDrafterConfig
     lookup: LookupGraft
 
-    def setup_lookup(self, target) -> None:
-        """Build the lookup graft from ``self.config`` and reset the drafter."""
+    def setup_lookup(self, target, origin: str | None = None) -> None:
+        """Build the lookup graft from ``self.config`` and reset the drafter.
+
+        Args:
+            origin: the public format the module was imported from (a canary then watches its
+                first greedy steps), ``None`` for specwise's own.
+        """
         self.lookup = LookupGraft(self.config, torch.tensor(sorted(target.eos_token_ids), dtype=torch.long))
+        self.canary = ImportCanary(origin) if origin is not None else None
+        self._greedy = False
         self.reset()
 
     @abstractmethod
@@ -125,9 +133,45 @@ class TrainedDrafter(Drafter):
         self.reset_model()
 
     def propose(self, ctx: DraftContext) -> Proposal:
+        self._greedy = ctx.sampling.is_greedy
         chain = self.lookup.lookup(ctx)
         return self.lookup.graft(self.draft(ctx, chain), chain)
 
     def observe(self, feedback: StepFeedback) -> None:
+        if self.canary is not None and self._greedy:
+            self.canary.observe(feedback)
         self.lookup.observe(feedback)
         self.observe_model(feedback)
+
+
+class ImportCanary:
+    """Warns once when an imported drafter's first greedy verification steps accept nothing.
+
+    A public checkpoint read with the wrong tap ids, norms or vocabulary map still drafts, just
+    never the target's tokens (no draft accepted, slower than plain decoding, no error): the loader checks what
+    it can, and this catches the rest early.
+
+    Args:
+        origin: how the warning names the format.
+        steps: greedy steps with drafts to watch.
+    """
+
+    def __init__(self, origin: str, steps: int = 8) -> None:
+        self.origin = origin
+        self.steps = steps
+        self.watched = 0
+        self.accepted = 0
+        self.done = False
+
+    def observe(self, feedback: StepFeedback) -> None:
+        if self.done or feedback.num_drafted == 0:
+            return
+        self.watched += 1
+        self.accepted += feedback.num_accepted
+        if self.accepted:
+            self.done = True
+        elif self.watched >= self.steps:
+            self.done = True
+            warnings.warn(f"the imported {self.origin} drafter had no draft token accepted in its first "
+                          f"{self.steps} greedy steps: check that it was made for this target (its tap layer ids "
+                          "and their origin, its norm flags, its d2t vocabulary map).", UserWarning, stacklevel=2)

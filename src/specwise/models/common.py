@@ -1,6 +1,6 @@
 """The parts the drafter networks share, and the checks of their options.
 
-- :func:`rotary`: rotary position embedding (EAGLE, DFlash);
+- :func:`rotary`: rotary position embedding (EAGLE, DFlash); ``ACTIVATIONS``: their MLP activations;
 - :class:`HeadCache`: a growable KV cache of committed entries (EAGLE's head, each DFlash layer);
 - :class:`Borrowed`: the target tensors a drafter uses but never stores (embeddings, LM-head rows);
 - :func:`check_taps_and_vocabulary`: a drafter's feature taps and draft vocabulary against the target;
@@ -11,10 +11,14 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specwise.engine.cache import grown_capacity
 from specwise.errors import ConfigError, DrafterError
+
+# the gated MLPs' activations, by the names configs use (HF ``hidden_act``: gelu_pytorch_tanh = gelu_tanh)
+ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
 
 def check_int(name: str, value: object, minimum: int = 1, *, optional: bool = False) -> None:
@@ -87,10 +91,11 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
         ``x`` rotated, same shape and dtype.
     """
     d = x.shape[-1]
-    inv = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)  # shape: [d/2]
-    angles = positions.float()[..., None] * inv  # shape: [..., n, d/2]
+    work = torch.promote_types(x.dtype, torch.float32)  # float32 at least, float64 kept for exactness tests
+    inv = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=work) / d)  # shape: [d/2]
+    angles = positions.to(work)[..., None] * inv  # shape: [..., n, d/2]
     cos, sin = angles.cos()[..., None, :], angles.sin()[..., None, :]  # shape: [..., n, 1, d/2]
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = x.to(work).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 

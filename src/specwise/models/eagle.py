@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specwise.errors import ConfigError
-from specwise.models.common import Borrowed, check_int, check_taps_and_vocabulary, rotary
+from specwise.models.common import ACTIVATIONS, Borrowed, check_int, check_taps_and_vocabulary, rotary
 
 
 @dataclass(frozen=True)
@@ -49,15 +49,46 @@ class EagleConfig:
     head_dim: int = 64  # per-head width
     intermediate_size: int = 2048  # gated-MLP width
     rope_theta: float = 10000.0  # rotary base
-    window: int = 1024  # keys a query attends to at most (the longest trained window)
+    window: int | None = 1024  # keys a query attends to at most (the longest trained window); None = all
+    # The variants below make the head the field's standard EAGLE-3 layer (speculators, SpecForge,
+    # vLLM, llama.cpp) when set as in STANDARD_ARCHITECTURE, so a head trained or imported that way
+    # exports exactly (docs/interop.md); the defaults are specwise's own head.
+    tap_norms: bool = True  # RMS-normalize each target tap before fc (the standard feeds fc the raw taps)
+    hidden_act: str = "gelu_tanh"  # MLP activation: "gelu_tanh" or "silu" (the standard Llama layer)
+    num_kv_heads: int | None = None  # key/value heads (grouped-query attention); None = num_heads
+    norm_before_residual: bool = False  # the attention's residual is the normed feature, not the raw one
+    own_embeddings: bool = False  # the head stores its token embeddings instead of borrowing the target's
+    own_lm_head: bool = False  # the head stores its output layer instead of borrowing the target's rows
+    rms_norm_eps: float | None = None  # the norms' epsilon; None = the target's
 
     def __post_init__(self) -> None:
         if not self.feature_layers:
             raise ConfigError("an EAGLE head needs at least one feature layer.")
-        for name in ("draft_vocab_size", "num_heads", "head_dim", "intermediate_size", "window"):
+        for name in ("draft_vocab_size", "num_heads", "head_dim", "intermediate_size"):
             check_int(name, getattr(self, name))
+        check_int("window", self.window, optional=True)
+        check_int("num_kv_heads", self.num_kv_heads, optional=True)
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even (rotary pairs), got {self.head_dim}.")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}.")
+        if self.num_heads % self.kv_heads:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.kv_heads}).")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (``num_kv_heads``, or ``num_heads`` when unset)."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def attention_window(self) -> int:
+        """Committed keys a query sees at most (unbounded: larger than any context)."""
+        return self.window or 1 << 62
+
+
+# the field's EAGLE-3 layer (speculators / SpecForge / vLLM): raw taps into fc, a SiLU MLP, full
+# attention; `specwise train eagle --arch standard` trains it, `specwise export` writes it exactly
+STANDARD_ARCHITECTURE = {"tap_norms": False, "hidden_act": "silu", "window": None}
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -89,30 +120,42 @@ class EagleHead(nn.Module):
         check_taps_and_vocabulary(target, config.feature_layers, vocab, config.draft_vocab_size)
         self.config = config
         self.hidden_size = hidden
-        eps = float(getattr(text_config, "rms_norm_eps", 1e-6))
+        eps = config.rms_norm_eps or float(getattr(text_config, "rms_norm_eps", 1e-6))
         width = config.num_heads * config.head_dim
+        kv_width = config.kv_heads * config.head_dim
         # each tap is normalized before the projection: Gemma-3's residual stream has an RMS in the
         # hundreds with single dimensions near 1e5, which would swamp everything the layer adds
-        self.tap_norms = nn.ModuleList(nn.RMSNorm(hidden, eps=eps) for _ in config.feature_layers)
+        self.tap_norms = nn.ModuleList(nn.RMSNorm(hidden, eps=eps) for _ in config.feature_layers
+                                       if config.tap_norms)
         self.fc = nn.Linear(len(config.feature_layers) * hidden, hidden, bias=False)
         self.token_norm = nn.RMSNorm(hidden, eps=eps)
         self.feature_norm = nn.RMSNorm(hidden, eps=eps)
         self.q_proj = nn.Linear(2 * hidden, width, bias=False)
-        self.k_proj = nn.Linear(2 * hidden, width, bias=False)
-        self.v_proj = nn.Linear(2 * hidden, width, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, kv_width, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, kv_width, bias=False)
         self.o_proj = nn.Linear(width, hidden, bias=False)
         self.mlp_norm = nn.RMSNorm(hidden, eps=eps)
         self.gate_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
         self.final_norm = nn.RMSNorm(hidden, eps=eps)
+        self.act = ACTIVATIONS[config.hidden_act]
         self.register_buffer("vocab", vocab.clone().long(), persistent=False)  # shape: [Vd]
         self._borrowed = Borrowed.from_target(target, vocab)
+        # an imported head may bring its own embeddings and output layer (they are then stored)
+        rows = int(getattr(target.model.get_input_embeddings(), "num_embeddings", target.vocab_size))
+        self.embed_tokens = nn.Embedding(rows, hidden) if config.own_embeddings else None
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False) if config.own_lm_head else None
+        self.origin: str | None = None  # the public format it was imported from (specwise.interop), if any
         if initialize:
             self._initialize()
 
     @torch.no_grad()
     def _initialize(self) -> None:
+        if self.embed_tokens is not None:
+            self.embed_tokens.weight.copy_(self._borrowed.embed(torch.arange(self.embed_tokens.num_embeddings)))
+        if self.lm_head is not None:
+            self.lm_head.weight.copy_(self._borrowed.head)
         for linear in (self.fc, self.q_proj, self.k_proj, self.v_proj, self.gate_proj, self.up_proj):
             nn.init.normal_(linear.weight, std=1.0 / math.sqrt(linear.in_features))
         nn.init.zeros_(self.o_proj.weight)
@@ -122,17 +165,26 @@ class EagleHead(nn.Module):
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """``[..., F*H]`` concatenated target features -> ``[..., H]`` head features (per-tap RMSNorm,
         then ``fc``)."""
-        taps = features.to(self.fc.weight.dtype).chunk(len(self.tap_norms), dim=-1)
+        features = features.to(self.fc.weight.dtype)
+        if not self.config.tap_norms:
+            return self.fc(features)
+        taps = features.chunk(len(self.tap_norms), dim=-1)
         return self.fc(torch.cat([norm(tap) for norm, tap in zip(self.tap_norms, taps)], dim=-1))
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """``[...]`` target token ids -> ``[..., H]`` target embeddings (borrowed), in the head's dtype."""
-        return self._borrowed.embed(token_ids).to(self.fc.weight.dtype)
+        """``[...]`` target token ids -> ``[..., H]`` token embeddings (the target's, borrowed, unless
+        the head has its own), in the head's dtype."""
+        table = self.embed_tokens if self.embed_tokens is not None else self._borrowed.embed
+        return table(token_ids).to(self.fc.weight.dtype)
+
+    def output_weight(self) -> torch.Tensor:
+        """``[Vd, H]`` the output layer: the head's own, or the target's LM-head rows of the draft vocabulary."""
+        return self.lm_head.weight if self.lm_head is not None else self._borrowed.head
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` head outputs -> ``[..., Vd]`` draft-vocabulary logits."""
         normed = self.final_norm(h)
-        return normed @ self._borrowed.head.to(normed.dtype).T
+        return normed @ self.output_weight().to(normed.dtype).T
 
     def project(self, feature: torch.Tensor, token_emb: torch.Tensor, positions: torch.Tensor):
         """Queries, keys and values of new entries.
@@ -143,35 +195,45 @@ class EagleHead(nn.Module):
             positions: ``[..., n]`` rotary positions.
 
         Returns:
-            ``(q, k, v)``, each ``[..., n, heads, d]``.
+            ``(q, k, v)``: ``q`` ``[..., n, heads, d]``, ``k`` and ``v`` ``[..., n, kv_heads, d]``.
         """
         x = torch.cat([self.token_norm(token_emb), self.feature_norm(feature)], dim=-1)
-        shape = (*x.shape[:-1], self.config.num_heads, self.config.head_dim)
-        theta = self.config.rope_theta
-        q = rotary(self.q_proj(x).view(shape), positions, theta)
-        k = rotary(self.k_proj(x).view(shape), positions, theta)
-        return q, k, self.v_proj(x).view(shape)
+        cfg = self.config
+        lead = x.shape[:-1]
+        q = rotary(self.q_proj(x).view(*lead, cfg.num_heads, cfg.head_dim), positions, cfg.rope_theta)
+        k = rotary(self.k_proj(x).view(*lead, cfg.kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+        return q, k, self.v_proj(x).view(*lead, cfg.kv_heads, cfg.head_dim)
+
+    def residual(self, feature: torch.Tensor) -> torch.Tensor:
+        """What the attention output is added to: the feature, or its normed form (``norm_before_residual``)."""
+        return self.feature_norm(feature) if self.config.norm_before_residual else feature
 
     def finish(self, feature: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Residual attention output and the MLP: ``[..., n, heads*d]`` attended values -> ``[..., n, H]``."""
-        h = feature + self.o_proj(attended)
+        h = self.residual(feature) + self.o_proj(attended)
         x = self.mlp_norm(h)
-        return h + self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        return h + self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Masked attention for decoding.
 
         Args:
             q: ``[n, heads, d]`` new queries.
-            k, v: ``[m, heads, d]`` keys and values they may see (cache and new entries).
+            k, v: ``[m, kv_heads, d]`` keys and values they may see (cache and new entries).
             allowed: ``[n, m]`` bool.
 
         Returns:
             ``[n, heads*d]``.
         """
+        k, v = self.expand_kv(k), self.expand_kv(v)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                              attn_mask=allowed[None])  # shape: [heads, n, d]
         return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+    def expand_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., kv_heads, d]`` -> ``[..., heads, d]``: each key/value head serves its query group."""
+        groups = self.config.num_heads // self.config.kv_heads
+        return x if groups == 1 else x.repeat_interleave(groups, dim=-2)
 
     # ------------------------------------------------------------------ training
     def forward(self, features: torch.Tensor, next_ids: torch.Tensor, steps: int,
@@ -205,7 +267,7 @@ class EagleHead(nn.Module):
         positions = torch.arange(length, device=device).expand(batch, length)
         feature = self.fuse(features)  # shape: [B, T, H]
         idx = torch.arange(length, device=device)
-        causal = (idx[None, :] <= idx[:, None]) & (idx[None, :] > idx[:, None] - self.config.window)  # [T, T]
+        causal = (idx[None, :] <= idx[:, None]) & (idx[None, :] > idx[:, None] - self.config.attention_window)  # [T, T]
         scale = 1.0 / math.sqrt(self.config.head_dim)
         keys0 = values0 = None
         chain_keys: list[torch.Tensor] = []
@@ -213,6 +275,7 @@ class EagleHead(nn.Module):
         out = []
         for j in range(steps):
             q, k, v = self.project(feature, self.embed(next_ids[:, j: j + length]), positions + j)
+            k, v = self.expand_kv(k), self.expand_kv(v)
             if j == 0:
                 keys0, values0 = k, v
             else:
@@ -237,3 +300,7 @@ class EagleHead(nn.Module):
 
     def architecture(self) -> dict:
         return {**asdict(self.config), "feature_layers": list(self.config.feature_layers)}
+
+    def is_standard(self) -> bool:
+        """True when the head computes the field's EAGLE-3 layer (what the public formats can express)."""
+        return not self.config.tap_norms and self.config.hidden_act == "silu" and self.config.window is None

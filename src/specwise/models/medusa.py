@@ -23,7 +23,7 @@ bug); the tests check it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ class MedusaConfig:
     num_layers: int = 1  # residual blocks per head
     draft_vocab_size: int = 16384  # rows of the (borrowed) output layer
     hidden_layer: int = -1  # HF hidden_states index the heads read: the target's final (normed) state
+    own_lm_heads: bool = False  # each head has its own output layer (imported Medusa heads), not the borrowed rows
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers", "draft_vocab_size"):
@@ -82,7 +83,7 @@ class MedusaHeads(nn.Module):
         super().__init__()
         final = final_hidden_layer(target)
         if config.hidden_layer == -1:
-            config = MedusaConfig(config.num_heads, config.num_layers, config.draft_vocab_size, final)
+            config = replace(config, hidden_layer=final)
         if config.hidden_layer != final:
             raise DrafterError(f"Medusa heads read the target's final hidden state (index {final} for "
                                f"{target.name}), not index {config.hidden_layer}.")
@@ -95,7 +96,12 @@ class MedusaHeads(nn.Module):
         # per-dimension RMS of the target's final hidden state over the training corpus (set_scale)
         self.register_buffer("scale", torch.ones(hidden_size))  # shape: [H]
         self.register_buffer("vocab", vocab.clone().long(), persistent=False)  # shape: [Vd]
-        self._borrowed = Borrowed.from_target(target, vocab)
+        # imported heads bring their own output layers: nothing to borrow but the (unused) embeddings
+        self._borrowed = Borrowed(target.model.get_input_embeddings(), torch.empty(0, hidden_size)) \
+            if config.own_lm_heads else Borrowed.from_target(target, vocab)
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, config.draft_vocab_size, bias=False)
+                                      for _ in range(config.num_heads)) if config.own_lm_heads else None
+        self.origin: str | None = None  # the public format it was imported from (specwise.interop), if any
 
     def set_scale(self, hidden: torch.Tensor) -> None:
         """Set the per-dimension scale from sample hidden states ``[N, H]`` (their RMS per dimension)."""
@@ -108,8 +114,16 @@ class MedusaHeads(nn.Module):
         return [block(u) * self.scale for block in self.heads[:heads]]
 
     def head_logits(self, state: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits ``[..., Vd]`` of a head state ``[..., H]``; column j is ``vocab[j]``."""
-        return state @ self._borrowed.head.to(state.dtype).T
+        """Draft-vocabulary logits ``[K', ..., Vd]`` of stacked head states ``[K', ..., H]`` (head k's
+        state first); column j is ``vocab[j]``."""
+        if self.lm_heads is None:
+            return state @ self._borrowed.head.to(state.dtype).T
+        return torch.stack([head(s) for head, s in zip(self.lm_heads, state)])
+
+    def is_standard(self) -> bool:
+        """True when the heads compute Medusa's own function (no per-dimension scale), which the
+        public Medusa format can express."""
+        return bool(torch.all(self.scale == 1))
 
     def forward(self, hidden: torch.Tensor, heads: int | None = None) -> torch.Tensor:
         """Logits of every head.
@@ -126,7 +140,8 @@ class MedusaHeads(nn.Module):
         return self.head_logits(states)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights a checkpoint stores: the heads' blocks and the scale (not the borrowed rows)."""
+        """The weights a checkpoint stores: the heads' blocks and the scale (not the borrowed rows;
+        an imported set's own output layers)."""
         return dict(self.state_dict())
 
     def architecture(self) -> dict:

@@ -1,4 +1,4 @@
-"""``specwise data build``, ``specwise train`` and ``specwise export-hf``."""
+"""``specwise data build``, ``specwise train``, ``specwise export`` and ``specwise export-hf``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from specwise.drafters.checkpoint import read_config, shipped_drafter
 from specwise.drafters.draft_model import load_draft_lm
+from specwise.drafters.export import export_drafter
 from specwise.engine.native.weights import WEIGHTS, WEIGHTS_HELP
 from specwise.engine.target import load_target, resolve_dtype
 from specwise.errors import ConfigError, DrafterError
@@ -203,6 +204,41 @@ def add_export_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
     p.set_defaults(func=cmd_export_hf)
+
+
+def add_drafter_export_args(p: argparse.ArgumentParser, default_target: str) -> None:
+    """``specwise export``: a drafter in the speculators (vLLM), SpecForge (SGLang) or Medusa format."""
+    p.add_argument("drafter", nargs="?", default=None,
+                   help="drafter directory, in any format --drafter reads (default: the one shipped for --method)")
+    p.add_argument("--method", default=None, help="the drafter's method (eagle, medusa, dflash) when no directory is given")
+    p.add_argument("--format", required=True, choices=["speculators", "eagle3", "medusa"],
+                   help="speculators (vLLM), eagle3 (SpecForge / SGLang) or medusa (FasterDecoding)")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--target", default=default_target)
+    p.add_argument("--verifier", default=None,
+                   help="the target's name for vLLM/SGLang (default: its Hugging Face repository when known)")
+    p.add_argument("--speculative-tokens", type=int, default=3, help="draft tokens per step written in the config")
+    p.add_argument("--unbounded-attention", action="store_true",
+                   help="allow a head with an attention window into a format without windows (SpecForge)")
+    p.add_argument("--dtype", default="bfloat16", help="weights' dtype of the export")
+    p.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+
+    if args.speculative_tokens < 1:
+        raise ConfigError(f"--speculative-tokens must be >= 1, got {args.speculative_tokens}.")
+    target = load_target(args.target, dtype="float32", device="cpu", progress=_say, weights=args.weights)
+    exported = export_drafter(target, args.out, args.format, path=args.drafter, method=args.method,
+                              dtype=resolve_dtype(args.dtype), verifier=args.verifier,
+                              speculative_tokens=args.speculative_tokens, unbounded_attention=args.unbounded_attention)
+    _say(f"wrote {exported.path} ({args.format} format)")
+    for caveat in exported.caveats:
+        _say(f"note: {caveat}")
+    for runtime, command in exported.serve.items():
+        print(f"# {runtime}\n{command}")
+    return 0
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:

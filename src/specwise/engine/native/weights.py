@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
+from specwise.engine.cache import KVCache
 from specwise.engine.native.convert import apply_native, pack_from_gguf, read_manifest, save_native
 from specwise.engine.native.modules import Int8Linear, PackedEmbedding, PackedLinear
 from specwise.errors import ConfigError
@@ -155,16 +155,16 @@ def forward_ms(model: nn.Module, context: int = 64, repeats: int = 7) -> list[fl
     """Median milliseconds of a one-token and an eight-token forward after ``context`` cached tokens:
     ``[decode step, 8-token verification]``."""
     ids = torch.arange(10, 10 + context + 8)[None]
-    cache = DynamicCache(config=model.config)
-    model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)  # one prefill, untimed
+    cache = KVCache()  # the engine's own: it rolls sliding-window layers back too
+    model(input_ids=ids[:, :context], cache=cache.hf_cache, use_cache=True, logits_to_keep=1)  # one prefill, untimed
     out = []
     for width in (1, 8):
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            model(input_ids=ids[:, context:context + width], cache=cache, use_cache=True,
+            model(input_ids=ids[:, context:context + width], cache=cache.hf_cache, use_cache=True,
                   logits_to_keep=width)
             times.append((time.perf_counter() - start) * 1e3)
-            cache.crop(context)  # back to the prefix, so every repeat verifies after the same context
+            cache.rollback(context)  # back to the prefix, so every repeat verifies after the same context
         out.append(statistics.median(times))
     return out

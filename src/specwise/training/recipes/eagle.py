@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from specwise.errors import ConfigError
-from specwise.models.eagle import EagleConfig, EagleHead
+from specwise.models.eagle import STANDARD_ARCHITECTURE, EagleConfig, EagleHead
 from specwise.training.options import check_int, default_of, option, redefault
 from specwise.training.pipeline import TrainingJob, TrainingPlan, train_and_save
 from specwise.training.recipes.base import register_recipe
@@ -155,10 +155,15 @@ class EagleOptions(TappedOptions):
     batch_tokens: int = redefault(TappedOptions, "batch_tokens", default_of(EagleRecipeConfig, "batch_tokens"))
     draft_vocab_size: int = redefault(TappedOptions, "draft_vocab_size", default_of(EagleConfig, "draft_vocab_size"))
     ttt_steps: int = option(default_of(EagleRecipeConfig, "ttt_steps"), "draft steps unrolled in training")
+    arch: str = option("specwise", "head architecture: specwise (per-tap norms, GELU, windowed attention) or "
+                       "standard (the EAGLE-3 layer vLLM, SGLang and llama.cpp serve: `specwise export` "
+                       "writes it exactly)", choices=("specwise", "standard"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("ttt_steps", self.ttt_steps, 1)
+        if self.arch not in ("specwise", "standard"):
+            raise ConfigError(f"arch must be specwise or standard, got {self.arch!r}.")
 
 
 @register_recipe("eagle", EagleOptions, "train an EAGLE-3 head on the frozen target's features")
@@ -174,8 +179,9 @@ def train_eagle(job: TrainingJob, options: EagleOptions) -> Path:
                              ttt_steps=options.ttt_steps, loss_on=options.loss_on)
     recipe = EagleRecipe(job.corpus, features.vocab, layers, data, features.directory)
     job.say(describe_data(recipe, layers))
+    variant = STANDARD_ARCHITECTURE if options.arch == "standard" else {"window": options.max_length}
     model = EagleHead(job.target, EagleConfig(feature_layers=layers, draft_vocab_size=options.draft_vocab_size,
-                                              window=options.max_length), features.vocab)
+                                              **variant), features.vocab)
     plan = TrainingPlan("EAGLE-3 training-time test (soft cross-entropy on target top-k, draft vocabulary)",
                         model, recipe, data)
     return train_and_save(job, options, features, plan)

@@ -219,11 +219,17 @@ class MedusaOptions(TrainOptions):
     draft_vocab_size: int = redefault(TrainOptions, "draft_vocab_size", default_of(MedusaConfig, "draft_vocab_size"))
     num_heads: int = option(default_of(MedusaConfig, "num_heads"), "heads trained")
     medusa_layers: int = option(default_of(MedusaConfig, "num_layers"), "residual blocks per head")
+    arch: str = option("specwise", "heads' architecture: specwise (blocks on the per-dimension-scaled hidden "
+                       "state) or standard (Medusa's own blocks; with --draft-vocab-size set to the target's "
+                       "vocabulary, `specwise export --format medusa` writes them exactly)",
+                       choices=("specwise", "standard"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("num_heads", self.num_heads, 1)
         check_int("medusa_layers", self.medusa_layers, 1)
+        if self.arch not in ("specwise", "standard"):
+            raise ConfigError(f"arch must be specwise or standard, got {self.arch!r}.")
 
 
 @register_recipe("medusa", MedusaOptions, "train Medusa heads on the frozen target's final hidden state")
@@ -245,7 +251,8 @@ def train_medusa(job: TrainingJob, options: MedusaOptions) -> Path:
     model = MedusaHeads(job.target, MedusaConfig(num_heads=options.num_heads, num_layers=options.medusa_layers,
                                                  draft_vocab_size=options.draft_vocab_size, hidden_layer=layer),
                         features.vocab)
-    model.set_scale(recipe.scale_sample())
+    if options.arch == "specwise":
+        model.set_scale(recipe.scale_sample())
     plan = TrainingPlan("Medusa-1 heads on the frozen target (soft cross-entropy on target top-k, draft vocabulary, "
                         "head k weighted 0.8^(k-1))", model, recipe, data,
                         extra_architecture=lambda heads: {"tree": calibrate_tree(heads, recipe, job.target, job.say)})

@@ -1,0 +1,6 @@
+"""Drafters in other projects' formats: detect, import and export (docs/interop.md).
+
+- :mod:`specwise.interop.formats`: which format a directory holds, and the method it drafts for;
+- :mod:`specwise.interop.eagle3`: EAGLE-3 heads as speculators (vLLM) and SpecForge / SGLang write them;
+- :mod:`specwise.interop.medusa`: Medusa heads as FasterDecoding's Medusa writes them.
+"""
