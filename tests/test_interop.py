@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import specwise
 from conftest import ARCHS, make_target, random_prompt, reference_greedy
@@ -29,10 +29,12 @@ from specwise.engine.loop import speculative_generate
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.types import StepFeedback
 from specwise.errors import DrafterError
+from specwise.interop.dflash import export_dflash, read_dflash
 from specwise.interop.eagle3 import export_eagle3, read_eagle3
 from specwise.interop.formats import detect
 from specwise.interop.medusa import export_medusa, read_medusa
 from specwise.interop.vocab import from_d2t, to_tables
+from specwise.models.dflash import DFlashConfig, DFlashModel
 from specwise.models.eagle import STANDARD_ARCHITECTURE, EagleConfig, EagleHead
 from specwise.models.medusa import MedusaConfig, MedusaHeads
 
@@ -306,7 +308,6 @@ def test_a_d2t_outside_the_target_vocabulary_is_refused(tmp_path):
 def test_an_unknown_tensor_is_an_error_not_dropped(tmp_path):
     target = make_target("llama")
     write_public_eagle3(tmp_path / "head", target, "speculators")
-    from safetensors.torch import load_file
     weights = load_file(str(tmp_path / "head" / "model.safetensors"))
     weights["layers.0.self_attn.k_norm.weight"] = torch.ones(8, dtype=torch.float64)
     save_file(weights, str(tmp_path / "head" / "model.safetensors"))
@@ -526,3 +527,165 @@ def test_speculators_own_loader_reads_our_export(tmp_path, variant):
         other = torch.full_like(mine, float("-inf"))
         other[:, theirs_vocab] = theirs[0][:rows].double()
         torch.testing.assert_close(other, mine, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------- DFlash
+
+DFLASH_STANDARD = {"tap_norms": False, "mask_token_id": 5, "raw_embeddings": True, "window": None, "hidden_act": "silu"}
+
+
+def make_dflash(target, vocab: torch.Tensor, seed: int = 0, **arch) -> DFlashModel:
+    """A random float64 DFlash drafter with live residual branches and non-trivial norm gains."""
+    torch.manual_seed(seed)
+    config = DFlashConfig(**{"feature_layers": LAYERS, "draft_vocab_size": vocab.numel(), "block_size": 4,
+                             "num_layers": 2, "num_heads": 4, "head_dim": 8, "intermediate_size": 48, **arch})
+    model = DFlashModel(target, config, vocab).double()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.o_proj.weight.normal_(std=0.2)
+            layer.down_proj.weight.normal_(std=0.2)
+        for module in model.modules():
+            if isinstance(module, torch.nn.RMSNorm):
+                module.weight.uniform_(0.5, 1.5)
+    return model.eval().requires_grad_(False)
+
+
+def block_logits(model: DFlashModel, target, ids: torch.Tensor) -> torch.Tensor:
+    """``[B-1, V]`` the block's draft logits after committing ``ids`` (the last one is the anchor)."""
+    p = ids.numel() - 1
+    context = model.fuse(features_of(target, ids[:-1], model.config.feature_layers))
+    kv = model.context_keys_values(context, torch.arange(p))
+    h = model.run_block(model.block_input(ids[-1]), torch.arange(p, p + model.config.block_size), kv)
+    logits = model.logits(h[1:])
+    out = torch.full((logits.shape[0], target.vocab_size), float("-inf"), dtype=logits.dtype)
+    out[:, model.vocab] = logits
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("full_vocab", [False, True])
+def test_dflash_round_trip_gives_the_same_block_logits(tmp_path, arch, full_vocab):
+    target = make_target(arch)
+    vocab = torch.arange(target.vocab_size) if full_vocab else torch.randperm(target.vocab_size)[:VOCAB_D]
+    model = make_dflash(target, vocab, **DFLASH_STANDARD, num_kv_heads=2)
+    exported = export_dflash(model, target, tmp_path / "d", dtype=torch.float64)
+    config = json.loads((exported.path / "config.json").read_text())
+    assert config["aux_hidden_state_layer_ids"] == list(LAYERS) and config["mask_token_id"] == 5
+    assert ("d2t" in load_file(str(exported.path / "model.safetensors"))) is not full_vocab
+    imported = read_dflash(exported.path, target)
+    ids = random_prompt(18, seed=8)
+    torch.testing.assert_close(block_logits(imported, target, ids), block_logits(model, target, ids),
+                               rtol=0, atol=1e-9)
+
+
+def test_dflash_export_refuses_what_the_format_cannot_express(tmp_path):
+    target = make_target("gemma3")
+    with pytest.raises(DrafterError, match="learns its own mask vector"):
+        export_dflash(make_dflash(target, torch.arange(VOCAB_D)), target, tmp_path / "a")
+    with pytest.raises(DrafterError, match="at most 64 context tokens"):
+        export_dflash(make_dflash(target, torch.arange(VOCAB_D), **{**DFLASH_STANDARD, "window": 64}), target,
+                      tmp_path / "b")
+
+
+def write_public_dflash(path: Path, target, fmt: str, *, taps=(1, 2), seed: int = 0, **overrides) -> dict:
+    """A random DFlash checkpoint written as speculators (reduced vocabulary, ``d2t``) or z-lab
+    (the target's LM head) write one (float64, Qwen3 layers with GQA)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, vocab_size, heads, kv, d, inter, layers, vd = target.model.config.hidden_size, target.vocab_size, 4, 2, 8, 48, 2, 80
+    rand = lambda *shape, s=0.2: torch.randn(*shape, generator=gen, dtype=torch.float64) * s  # noqa: E731
+    w = {"fc.weight": rand(hidden, len(taps) * hidden), "hidden_norm.weight": 1 + rand(hidden), "norm.weight": 1 + rand(hidden)}
+    for i in range(layers):
+        for name, shape in (("input_layernorm", (hidden,)), ("post_attention_layernorm", (hidden,)),
+                            ("self_attn.q_norm", (d,)), ("self_attn.k_norm", (d,))):
+            w[f"layers.{i}.{name}.weight"] = 1 + rand(*shape)
+        for name, shape in (("self_attn.q_proj", (heads * d, hidden)), ("self_attn.k_proj", (kv * d, hidden)),
+                            ("self_attn.v_proj", (kv * d, hidden)), ("self_attn.o_proj", (hidden, heads * d)),
+                            ("mlp.gate_proj", (inter, hidden)), ("mlp.up_proj", (inter, hidden)),
+                            ("mlp.down_proj", (hidden, inter))):
+            w[f"layers.{i}.{name}.weight"] = rand(*shape)
+    layer = {"model_type": "qwen3", "num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": inter,
+             "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d, "hidden_act": "silu",
+             "rms_norm_eps": 1e-6, "vocab_size": vocab_size, "rope_theta": 1000.0}
+    if fmt == "speculators":
+        ids = torch.randperm(vocab_size, generator=gen)[:vd].sort().values
+        w["lm_head.weight"] = rand(vd, hidden, s=1.0)
+        w["d2t"] = ids - torch.arange(vd)
+        config = {"architectures": ["DFlashDraftModel"], "speculators_model_type": "dflash",
+                  "transformer_layer_config": layer, "draft_vocab_size": vd, "block_size": 4,
+                  "aux_hidden_state_layer_ids": list(taps), "mask_token_id": 7}
+    else:
+        config = {**layer, "architectures": ["DFlashDraftModel"], "block_size": 4,
+                  "dflash_config": {"mask_token_id": 7, "target_layer_ids": [i - 1 for i in taps]}}
+    config.update(overrides)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return w
+
+
+def reference_dflash(w: dict, target, fmt: str, ids: torch.Tensor, taps) -> torch.Tensor:
+    """DFlash's block by the definition (speculators / z-lab): ``[B-1, V]`` logits on the target vocabulary."""
+    heads, kv, d, eps, theta, block = 4, 2, 8, 1e-6, 1000.0, 4
+    p = ids.numel() - 1
+    ctx = _rms(features_of(target, ids[:-1], taps) @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+    block_ids = torch.tensor([int(ids[-1])] + [7] * (block - 1))
+    embed = target.model.get_input_embeddings()
+    x = embed.weight[block_ids] if fmt == "speculators" else embed(block_ids)  # stored table / the module
+    pos_ctx, pos_blk = torch.arange(p), torch.arange(p, p + block)
+    for i in range(2):
+        g = lambda name: w[f"layers.{i}.{name}.weight"]  # noqa: E731
+        h = _rms(x, g("input_layernorm"), eps)
+        q = _rope(_rms((h @ g("self_attn.q_proj").T).view(block, heads, d), g("self_attn.q_norm"), eps), pos_blk, theta)
+        k_ctx = _rope(_rms((ctx @ g("self_attn.k_proj").T).view(p, kv, d), g("self_attn.k_norm"), eps), pos_ctx, theta)
+        k_blk = _rope(_rms((h @ g("self_attn.k_proj").T).view(block, kv, d), g("self_attn.k_norm"), eps), pos_blk, theta)
+        v = torch.cat([(ctx @ g("self_attn.v_proj").T).view(p, kv, d), (h @ g("self_attn.v_proj").T).view(block, kv, d)])
+        k = torch.cat([k_ctx, k_blk]).repeat_interleave(heads // kv, dim=1)
+        v = v.repeat_interleave(heads // kv, dim=1)
+        att = torch.einsum("thd,shd->hts", q, k) / math.sqrt(d)  # every block entry sees all: non-causal
+        x = x + torch.einsum("hts,shd->thd", att.softmax(-1), v).reshape(block, heads * d) @ g("self_attn.o_proj").T
+        m = _rms(x, g("post_attention_layernorm"), eps)
+        x = x + (F.silu(m @ g("mlp.gate_proj").T) * (m @ g("mlp.up_proj").T)) @ g("mlp.down_proj").T
+    normed = _rms(x[1:], w["norm.weight"], eps)
+    if fmt == "speculators":
+        out = torch.full((block - 1, target.vocab_size), float("-inf"), dtype=torch.float64)
+        out[:, torch.arange(w["d2t"].numel()) + w["d2t"]] = normed @ w["lm_head.weight"].T
+        return out
+    return normed @ target.model.get_output_embeddings().weight.T
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt", ["speculators", "dflash"])
+def test_a_public_dflash_checkpoint_imports_to_the_formats_own_forward(tmp_path, arch, fmt):
+    target = make_target(arch)
+    w = write_public_dflash(tmp_path / "d", target, fmt)
+    model = read_dflash(tmp_path / "d", target)
+    assert model.config.feature_layers == (1, 2)  # z-lab's ids are one lower
+    ids = random_prompt(15, seed=9)
+    torch.testing.assert_close(block_logits(model, target, ids), reference_dflash(w, target, fmt, ids, (1, 2)),
+                               rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "dflash"])
+@pytest.mark.filterwarnings("ignore:the imported")
+def test_greedy_with_an_imported_dflash_drafter_equals_plain_decoding(tmp_path, fmt):
+    target = make_target("gemma3", eos=(), attn_implementation="sdpa")
+    write_public_dflash(tmp_path / "d", target, fmt)
+    prompt = random_prompt(14, seed=6)
+    tokens = specwise.generate(target, prompt, method="dflash", drafter_path=str(tmp_path / "d"),
+                               max_new_tokens=20).token_ids
+    assert tokens == reference_greedy(target.model, prompt, 20)
+
+
+@pytest.mark.parametrize("fmt,change,message", [
+    ("speculators", {"mask_token_id": None}, "mask_token_id"),
+    ("speculators", {"aux_hidden_state_layer_ids": [1, 3]}, "outside the target's hidden states"),
+    ("dflash", {"dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 2]}}, "outside the target's hidden"),
+    ("dflash", {"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
+])
+def test_dflash_mismatches_are_refused(tmp_path, fmt, change, message):
+    target = make_target("llama")
+    write_public_dflash(tmp_path / "d", target, fmt, **change)
+    with pytest.raises(DrafterError, match=message):
+        read_dflash(tmp_path / "d", target)
+    with pytest.raises(DrafterError, match="--method dflash"):
+        load_eagle_head(tmp_path / "d", target)

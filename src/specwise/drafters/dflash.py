@@ -54,7 +54,8 @@ from specwise.drafters.trained import (
 )
 from specwise.engine.tree import best_nodes_tree, log_threshold
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
-from specwise.errors import ConfigError, DrafterError
+from specwise.errors import ConfigError
+from specwise.interop.dflash import read_dflash
 from specwise.interop.formats import check_method
 from specwise.models.common import HeadCache
 from specwise.models.dflash import DFlashConfig, DFlashModel
@@ -97,13 +98,15 @@ def load_dflash(path, target) -> DFlashModel:
     The checkpoint may record a tuned ``default_draft_tokens`` beside the architecture; it is kept
     as the model's ``default_draft_tokens`` attribute.
 
+    A directory in the speculators or z-lab format is read by
+    :func:`specwise.interop.dflash.read_dflash`.
+
     Raises:
-        DrafterError: not a DFlash checkpoint, trained for another target, or weights that do not fit.
+        DrafterError: not a DFlash checkpoint, trained for another target, a public drafter that does
+            not fit the target, or weights that do not fit.
     """
-    found_format = check_method(path, "dflash")
-    if found_format is not None:
-        raise DrafterError(f"{path} holds a {found_format.label} drafter; importing that format is not supported yet "
-                           "(docs/interop.md).")
+    if check_method(path, "dflash") is not None:
+        return read_dflash(path, target)
     model, found = load_vocabulary_module(path, target, "dflash", DRAFTER.the(), DFlashConfig,
                                           lambda config, vocab: DFlashModel(target, config, vocab, initialize=False),
                                           tuple_fields=("feature_layers",), extras=("default_draft_tokens",))
@@ -148,7 +151,7 @@ class DFlashDrafter(TrainedDrafter):
         tuned = getattr(model, "default_draft_tokens", None)
         self.depth = min(config.depth or tuned or drafts, drafts)
         self.target_hidden_layers = tuple(model.config.feature_layers)
-        self.setup_lookup(target)
+        self.setup_lookup(target, model.origin)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -158,7 +161,7 @@ class DFlashDrafter(TrainedDrafter):
 
     def reset_model(self) -> None:
         cfg, dtype, device = self.model.config, self.model.dtype, self.model.fc.weight.device
-        self.caches = [HeadCache(cfg.num_heads, cfg.head_dim, dtype, device) for _ in range(cfg.num_layers)]
+        self.caches = [HeadCache(cfg.kv_heads, cfg.head_dim, dtype, device) for _ in range(cfg.num_layers)]
         self._pending: list[torch.Tensor] = []  # [n, F*H] target features not yet in the caches
 
     def _queue(self, hidden_states: dict[int, torch.Tensor]) -> None:
@@ -191,7 +194,7 @@ class DFlashDrafter(TrainedDrafter):
             return Proposal.empty(ctx.token_ids.device)
         model, size = self.model, self.model.config.block_size
         length = self.caches[0].length  # = the root's position
-        begin = max(0, length - model.config.window)
+        begin = max(0, length - model.config.attention_window)
         device = ctx.token_ids.device
         x = model.block_input(ctx.token_ids[-1])  # shape: [B, H]
         positions = torch.arange(length, length + size, device=device)

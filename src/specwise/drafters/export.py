@@ -11,15 +11,17 @@ from pathlib import Path
 import torch
 
 from specwise.drafters.checkpoint import shipped_drafter
+from specwise.drafters.dflash import load_dflash
 from specwise.drafters.eagle import load_eagle_head
 from specwise.drafters.medusa import load_medusa_heads
 from specwise.errors import DrafterError
-from specwise.interop.eagle3 import EXPORT_FORMATS, Exported, export_eagle3
-from specwise.interop.formats import detect
+from specwise.interop.dflash import export_dflash
+from specwise.interop.eagle3 import EXPORT_FORMATS, export_eagle3
+from specwise.interop.formats import Exported, detect
 from specwise.interop.medusa import export_medusa
 
 #: method -> the formats its drafters export to
-FORMATS = {"eagle": EXPORT_FORMATS, "medusa": ("medusa",)}
+FORMATS = {"eagle": EXPORT_FORMATS, "medusa": ("medusa",), "dflash": ("speculators",)}
 
 
 def export_drafter(target, out: str | Path, fmt: str = "speculators", *, path: str | Path | None = None,
@@ -38,7 +40,7 @@ def export_drafter(target, out: str | Path, fmt: str = "speculators", *, path: s
             ``unbounded_attention`` for EAGLE-3).
 
     Returns:
-        :class:`specwise.interop.eagle3.Exported`: the directory, the runtimes' caveats and their
+        :class:`specwise.interop.formats.Exported`: the directory, the runtimes' caveats and their
         serve commands.
 
     Raises:
@@ -63,6 +65,9 @@ def export_drafter(target, out: str | Path, fmt: str = "speculators", *, path: s
                            "with `specwise export-hf`.")
     if found.method == "eagle":
         return export_eagle3(load_eagle_head(path, target), target, out, fmt, dtype=dtype, **options)
+    if found.method == "dflash":
+        return export_dflash(load_dflash(path, target), target, out, dtype=dtype, verifier=options.get("verifier"),
+                             unbounded_attention=bool(options.get("unbounded_attention")))
     if found.method == "medusa":
         return export_medusa(load_medusa_heads(path, target)[0], target, out, dtype=dtype,
                              verifier=options.get("verifier"))

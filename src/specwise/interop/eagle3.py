@@ -38,26 +38,34 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from specwise.engine.aliases import KNOWN_TARGETS
 from specwise.errors import DrafterError
-from specwise.interop.formats import CONFIG_NAME, Format, format_of, load_weights, read_json, require
+from specwise.interop.formats import (
+    ACT_TO_HF,
+    CONFIG_NAME,
+    SPECULATORS_VERSION,
+    WEIGHTS_NAME,
+    Exported,
+    Format,
+    check_layer,
+    format_of,
+    load_weights,
+    mapped_state,
+    read_json,
+    require,
+    rope_theta,
+    verifier_name,
+)
 from specwise.interop.vocab import from_d2t, to_tables
 from specwise.models.common import check_taps_and_vocabulary
 from specwise.models.eagle import EagleConfig, EagleHead, default_feature_layers
 
-SPECULATORS_VERSION = "0.3.0"  # the speculators release whose config layout this writes
 EXPORT_FORMATS = ("speculators", "eagle3")
-WEIGHTS_NAME = "model.safetensors"
-#: HF activation names and specwise's
-_ACT_FROM_HF = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-_ACT_TO_HF = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 #: specwise module -> the layer's key (under ``layers.0.`` or ``midlayer.``)
 _LAYER_KEYS = {"token_norm": "input_layernorm", "feature_norm": "hidden_norm", "q_proj": "self_attn.q_proj",
                "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
@@ -67,22 +75,6 @@ _PREFIX = {"speculators": "layers.0.", "eagle3": "midlayer."}
 #: target model types whose llama.cpp b11434 graph does not expose layer inputs, so `llama-server`
 #: cannot feed an EAGLE-3 draft its taps (its converter accepts the draft regardless)
 LLAMA_CPP_NO_TAPS = ("gemma", "gemma2", "gemma3", "gemma3_text", "qwen2", "mistral3", "phi3")
-
-
-@dataclass
-class Exported:
-    """What :func:`export_eagle3` wrote and where it can run.
-
-    Attributes:
-        path: the directory written.
-        caveats: one sentence per runtime that cannot run this head as it is (empty for a
-            standard head on a target every runtime taps).
-        serve: runtime name -> the command that serves it (``vllm``, ``sglang``, ``llama.cpp``).
-    """
-
-    path: Path
-    caveats: list[str] = field(default_factory=list)
-    serve: dict[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------- export
@@ -141,7 +133,7 @@ def export_eagle3(head: EagleHead, target, out: str | Path, fmt: str = "speculat
     tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in tensors.items()}
     if head.vocab.numel() != vocab_size or not torch.equal(head.vocab.cpu(), torch.arange(vocab_size)):
         tensors["d2t"], tensors["t2d"] = d2t, t2d
-    name = verifier or _hf_name(target)
+    name = verifier or verifier_name(target)
     layer = _layer_config(head, text, vocab_size, window=None if fmt == "eagle3" else cfg.window)
     flags = {"draft_vocab_size": cfg.draft_vocab_size, "norm_before_residual": cfg.norm_before_residual,
              "norm_before_fc": False, "fc_norm": cfg.tap_norms, "norm_output": False, "target_hidden_size": hidden,
@@ -167,18 +159,13 @@ def export_eagle3(head: EagleHead, target, out: str | Path, fmt: str = "speculat
     return Exported(path, _caveats(head, text, fmt), _serve_commands(path, name, speculative_tokens))
 
 
-def _hf_name(target) -> str:
-    known = KNOWN_TARGETS.get(target.name)
-    return (known.hf_repo if known is not None and known.hf_repo else None) or target.name
-
-
 def _layer_config(head: EagleHead, text, vocab_size: int, window: int | None) -> dict[str, Any]:
     """The head's layer as a Llama config (``transformer_layer_config``, or SpecForge's flat config)."""
     cfg = head.config
     layer = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
              "hidden_size": head.hidden_size, "intermediate_size": cfg.intermediate_size,
              "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-             "hidden_act": _ACT_TO_HF[cfg.hidden_act], "rms_norm_eps": head.final_norm.eps,
+             "hidden_act": ACT_TO_HF[cfg.hidden_act], "rms_norm_eps": head.final_norm.eps,
              "vocab_size": vocab_size, "max_position_embeddings": int(getattr(text, "max_position_embeddings", 32768)),
              "rope_theta": cfg.rope_theta, "rope_scaling": None,
              "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
@@ -192,7 +179,7 @@ def _caveats(head: EagleHead, text, fmt: str) -> list[str]:
     cfg = head.config
     out = []
     if cfg.hidden_act != "silu":
-        out.append(f"vLLM and SGLang refuse its {_ACT_TO_HF[cfg.hidden_act]} MLP (their EAGLE-3 layer runs SiLU "
+        out.append(f"vLLM and SGLang refuse its {ACT_TO_HF[cfg.hidden_act]} MLP (their EAGLE-3 layer runs SiLU "
                    "only) and llama.cpp would run SiLU regardless: train with --arch standard to serve it there.")
     if cfg.tap_norms:
         out.append("llama.cpp b11434 cannot convert fc_norm (per-tap norms); SGLang releases without fc_norm "
@@ -310,16 +297,7 @@ def _head_config(config, layer, found: Format, where: str, hidden: int, num_laye
     for flag in ("norm_before_fc", "norm_output"):
         if config.get(flag) or layer.get(flag):
             raise DrafterError(f"{where} sets {flag}, a variant specwise does not run yet.")
-    for flag in ("attention_bias", "mlp_bias"):
-        if layer.get(flag):
-            raise DrafterError(f"{where} has biases ({flag}), a variant specwise does not run yet.")
-    scaling = layer.get("rope_scaling") or {}
-    kind = (layer.get("rope_parameters") or {}).get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if kind != "default":
-        raise DrafterError(f"{where} uses {kind!r} rope scaling, which specwise does not run yet.")
-    act = str(layer.get("hidden_act", "silu"))
-    if act not in _ACT_FROM_HF:
-        raise DrafterError(f"{where} uses activation {act!r}; specwise runs {sorted(_ACT_FROM_HF)}.")
+    act = check_layer(layer, where)
     taps = config.get("eagle_aux_hidden_state_layer_ids")
     if taps is None and isinstance(config.get("eagle_config"), dict):
         nested = config["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
@@ -336,8 +314,8 @@ def _head_config(config, layer, found: Format, where: str, hidden: int, num_laye
     return EagleConfig(
         feature_layers=taps, draft_vocab_size=int(require(config, "draft_vocab_size", where)), num_heads=heads,
         head_dim=int(layer.get("head_dim") or hidden // heads), intermediate_size=int(layer["intermediate_size"]),
-        rope_theta=float((layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta", 10000.0))),
-        window=window, tap_norms=bool(config.get("fc_norm") or layer.get("fc_norm")), hidden_act=_ACT_FROM_HF[act],
+        rope_theta=rope_theta(layer),
+        window=window, tap_norms=bool(config.get("fc_norm") or layer.get("fc_norm")), hidden_act=act,
         num_kv_heads=int(layer.get("num_key_value_heads") or heads),
         # absent: false, as speculators (the format's owner) and SGLang read it; vLLM assumes true
         norm_before_residual=bool(config.get("norm_before_residual", False)),
@@ -345,33 +323,14 @@ def _head_config(config, layer, found: Format, where: str, hidden: int, num_laye
 
 
 def _our_state(weights: dict[str, torch.Tensor], head: EagleHead, where: str) -> dict[str, torch.Tensor]:
-    """The public checkpoint's tensors under :class:`EagleHead`'s names (every tensor used: an
-    unknown one is an error, never dropped)."""
-    prefixes = ("layers.0.", "midlayer.")
-    state: dict[str, torch.Tensor] = {}
+    """The public checkpoint's tensors under :class:`EagleHead`'s names (:func:`mapped_state`)."""
+    if "lm_head.weight" not in weights:
+        raise DrafterError(f"{where} has no lm_head.weight.")
     mapping = {"fc.weight": "fc.weight", "norm.weight": "final_norm.weight", "lm_head.weight": "lm_head.weight",
                "embed_tokens.weight": "embed_tokens.weight"}
     for ours, theirs in _LAYER_KEYS.items():
-        for prefix in prefixes:
+        for prefix in _PREFIX.values():
             mapping[prefix + theirs + ".weight"] = ours + ".weight"
     for i in range(len(head.tap_norms)):
         mapping[f"fc_norm.{i}.weight"] = f"tap_norms.{i}.weight"
-    for name, tensor in weights.items():
-        if name in mapping:
-            state[mapping[name]] = tensor
-        elif name.startswith(("verifier_", "target_")):
-            continue  # the target's own head and norm, stored by some trainers for their loss
-        else:
-            raise DrafterError(f"{where} holds a tensor specwise does not know ({name!r}): a variant it does not run.")
-    if "lm_head.weight" not in state:
-        raise DrafterError(f"{where} has no lm_head.weight.")
-    expected = head.state_dict()
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise DrafterError(f"{where} is missing {missing[0]!r} (and {len(missing) - 1} more).")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise DrafterError(f"{where}: {name} has shape {list(tensor.shape)}, the config implies "
-                               f"{list(expected[name].shape)}.")
-    return state
-
+    return mapped_state(weights, mapping, head, where)

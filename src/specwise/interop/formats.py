@@ -17,16 +17,22 @@ format                        recognized by                                     
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
+from specwise.engine.aliases import KNOWN_TARGETS
 from specwise.errors import DrafterError
 
 CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config layout the exports follow
+#: HF activation names -> specwise's, and back
+ACT_FROM_HF = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+ACT_TO_HF = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
 
@@ -151,3 +157,86 @@ def require(config: dict[str, Any], key: str, where: str) -> Any:
     if key not in config or config[key] is None:
         raise DrafterError(f"{where} has no {key!r}: it is required.")
     return config[key]
+
+
+def mapped_state(weights: dict[str, torch.Tensor], mapping: dict[str, str], module: torch.nn.Module,
+                 where: str) -> dict[str, torch.Tensor]:
+    """A public checkpoint's tensors under ``module``'s own names, every tensor accounted for.
+
+    Args:
+        weights: the file's tensors.
+        mapping: public name -> the module's ``state_dict`` name.
+        module: the module they load into (its ``state_dict`` gives the expected names and shapes).
+        where: how messages name the drafter.
+
+    Returns:
+        the state dict to load.
+
+    Raises:
+        DrafterError: a tensor of no known name (a variant specwise does not run: never dropped, as
+            a lenient loader would), a tensor the module needs missing, or a shape that differs.
+    """
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if name in mapping:
+            state[mapping[name]] = tensor
+        elif not name.startswith(("verifier_", "target_")):  # the target's head and norm some trainers keep
+            raise DrafterError(f"{where} holds a tensor specwise does not know ({name!r}): a variant it does not run.")
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        public = {ours: theirs for theirs, ours in mapping.items()}
+        raise DrafterError(f"{where} is missing {public.get(missing[0], missing[0])!r}"
+                           + (f" (and {len(missing) - 1} more)." if len(missing) > 1 else "."))
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise DrafterError(f"{where}: {name} has shape {list(tensor.shape)}, the config implies "
+                               f"{list(expected[name].shape)}.")
+    return state
+
+
+def check_layer(layer: dict[str, Any], where: str) -> str:
+    """Refuse the layer variants specwise's drafters do not compute; return specwise's name of
+    the layer's activation.
+
+    Raises:
+        DrafterError: biases, rope scaling, or an activation other than SiLU / tanh-GELU.
+    """
+    for flag in ("attention_bias", "mlp_bias"):
+        if layer.get(flag):
+            raise DrafterError(f"{where} has biases ({flag}), a variant specwise does not run yet.")
+    scaling = layer.get("rope_scaling") or {}
+    kind = (layer.get("rope_parameters") or {}).get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind != "default":
+        raise DrafterError(f"{where} uses {kind!r} rope scaling, which specwise does not run yet.")
+    act = str(layer.get("hidden_act", "silu"))
+    if act not in ACT_FROM_HF:
+        raise DrafterError(f"{where} uses activation {act!r}; specwise runs {sorted(ACT_FROM_HF)}.")
+    return ACT_FROM_HF[act]
+
+
+def rope_theta(layer: dict[str, Any]) -> float:
+    """The rotary base of an HF layer config (transformers 5 ``rope_parameters`` or the older key)."""
+    return float((layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta", 10000.0)))
+
+
+def verifier_name(target) -> str:
+    """What runtimes call ``target``: its Hugging Face repository when known, else its name."""
+    known = KNOWN_TARGETS.get(target.name)
+    return (known.hf_repo if known is not None and known.hf_repo else None) or target.name
+
+
+@dataclass
+class Exported:
+    """What an export wrote and where it can run (the writers in :mod:`specwise.interop`).
+
+    Attributes:
+        path: the directory written.
+        caveats: one sentence per runtime that cannot run the drafter as it is (empty for a
+            standard drafter on a target every runtime serves).
+        serve: runtime name -> the command that serves it (``vllm``, ``sglang``, ``llama.cpp``).
+    """
+
+    path: Path
+    caveats: list[str] = field(default_factory=list)
+    serve: dict[str, str] = field(default_factory=dict)

@@ -20,8 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from specwise.errors import DrafterError
-from specwise.interop.eagle3 import Exported
-from specwise.interop.formats import CONFIG_NAME, format_of, load_weights, read_json, require
+from specwise.interop.formats import CONFIG_NAME, Exported, format_of, load_weights, read_json, require
 from specwise.models.medusa import MedusaConfig, MedusaHeads
 
 WEIGHTS_NAMES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
@@ -40,7 +39,7 @@ def export_medusa(heads: MedusaHeads, target, out: str | Path, *, verifier: str 
         dtype: the weights' dtype.
 
     Returns:
-        :class:`specwise.interop.eagle3.Exported`.
+        :class:`specwise.interop.formats.Exported`.
 
     Raises:
         DrafterError: heads with a per-dimension scale or a reduced draft vocabulary (the format

@@ -35,6 +35,39 @@ def check_int(name: str, value: object, minimum: int = 1, *, optional: bool = Fa
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}.")
 
 
+class AttentionShape:
+    """What the drafter configs with attention share (EAGLE, DFlash): fields ``num_heads``,
+    ``num_kv_heads``, ``head_dim``, ``window`` and ``hidden_act``, checked by :meth:`check_attention`."""
+
+    num_heads: int
+    num_kv_heads: int | None
+    head_dim: int
+    window: int | None
+    hidden_act: str
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (``num_kv_heads``, or ``num_heads`` when unset)."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def attention_window(self) -> int:
+        """Committed entries a query sees at most (unbounded: larger than any context)."""
+        return self.window or 1 << 62
+
+    def check_attention(self) -> None:
+        """Raises ConfigError for an odd ``head_dim`` (rotary pairs), an unknown activation, or
+        query heads that key/value heads do not divide."""
+        check_int("window", self.window, optional=True)
+        check_int("num_kv_heads", self.num_kv_heads, optional=True)
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even (rotary pairs), got {self.head_dim}.")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}.")
+        if self.num_heads % self.kv_heads:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.kv_heads}).")
+
+
 def check_probability(name: str, value: object, *, zero: bool = True, one: bool = False) -> None:
     """Refuse a value that is not a probability in the interval given by ``zero`` / ``one``
     (whether 0 and 1 are allowed; the default is ``[0, 1)``).

@@ -30,11 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from specwise.errors import ConfigError
-from specwise.models.common import Borrowed, check_int, check_taps_and_vocabulary, rotary
+from specwise.models.common import ACTIVATIONS, AttentionShape, Borrowed, check_int, check_taps_and_vocabulary, rotary
 
 
 @dataclass(frozen=True)
-class DFlashConfig:
+class DFlashConfig(AttentionShape):
     """Architecture of a DFlash drafter."""
 
     feature_layers: tuple[int, ...] = (2, 9, 15)  # target hidden_states indices fused into the context
@@ -45,16 +45,27 @@ class DFlashConfig:
     head_dim: int = 64
     intermediate_size: int = 2048  # gated-MLP width
     rope_theta: float = 10000.0
-    window: int = 1024  # context keys a block attends to at most
+    window: int | None = 1024  # context keys a block attends to at most; None = all
+    # The variants below make the drafter the DFlash layout speculators, vLLM and z-lab run, so a
+    # drafter imported from (or trained in) it computes its own function (docs/interop.md); the
+    # defaults are specwise's own drafter.
+    tap_norms: bool = True  # RMS-normalize each target tap before fc (the public layout feeds fc the raw taps)
+    hidden_act: str = "gelu_tanh"  # MLP activation: "gelu_tanh" or "silu"
+    num_kv_heads: int | None = None  # key/value heads (grouped-query attention); None = num_heads
+    mask_token_id: int | None = None  # the masked entries embed this token; None = a learned mask vector
+    raw_embeddings: bool = False  # embed with the target's embedding table as stored (no model-specific scale)
+    own_lm_head: bool = False  # the drafter stores its output layer instead of borrowing the target's rows
+    rms_norm_eps: float | None = None  # the norms' epsilon; None = the target's
 
     def __post_init__(self) -> None:
         if not self.feature_layers:
             raise ConfigError("a DFlash drafter needs at least one feature layer.")
-        for name in ("draft_vocab_size", "num_layers", "num_heads", "head_dim", "intermediate_size", "window"):
+        for name in ("draft_vocab_size", "num_layers", "num_heads", "head_dim", "intermediate_size"):
             check_int(name, getattr(self, name))
+        check_int("mask_token_id", self.mask_token_id, 0, optional=True)
         check_int("block_size", self.block_size, 2)  # the anchor and at least one draft
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even (rotary), got {self.head_dim}.")
+        self.check_attention()
+
 
 
 class DFlashLayer(nn.Module):
@@ -63,11 +74,13 @@ class DFlashLayer(nn.Module):
     def __init__(self, hidden: int, config: DFlashConfig, eps: float) -> None:
         super().__init__()
         width = config.num_heads * config.head_dim
+        kv_width = config.kv_heads * config.head_dim
         self.config = config
+        self.act = ACTIVATIONS[config.hidden_act]
         self.input_norm = nn.RMSNorm(hidden, eps=eps)
         self.q_proj = nn.Linear(hidden, width, bias=False)
-        self.k_proj = nn.Linear(hidden, width, bias=False)
-        self.v_proj = nn.Linear(hidden, width, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_width, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_width, bias=False)
         self.q_norm = nn.RMSNorm(config.head_dim, eps=eps)
         self.k_norm = nn.RMSNorm(config.head_dim, eps=eps)
         self.o_proj = nn.Linear(width, hidden, bias=False)
@@ -77,13 +90,18 @@ class DFlashLayer(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(*x.shape[:-1], self.config.num_heads, self.config.head_dim)
+        return x.view(*x.shape[:-1], -1, self.config.head_dim)
 
     def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[..., n, heads, d]`` of (already normed) inputs ``[..., n, H]`` at ``positions``
-        ``[..., n]``: the context's, or the block's."""
+        """Keys and values ``[..., n, kv_heads, d]`` of (already normed) inputs ``[..., n, H]`` at
+        ``positions`` ``[..., n]``: the context's, or the block's."""
         k = rotary(self.k_norm(self._heads(self.k_proj(x))), positions, self.config.rope_theta)
         return k, self._heads(self.v_proj(x))
+
+    def _expand(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., kv_heads, m, d]`` -> ``[..., heads, m, d]``: each key/value head serves its query group."""
+        groups = self.config.num_heads // self.config.kv_heads
+        return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, context_k: torch.Tensor, context_v: torch.Tensor,
                 allowed: torch.Tensor | None) -> torch.Tensor:
@@ -102,14 +120,14 @@ class DFlashLayer(nn.Module):
         h = self.input_norm(x)
         q = rotary(self.q_norm(self._heads(self.q_proj(h))), positions, self.config.rope_theta)
         k, v = self.keys_values(h, positions)
-        keys = torch.cat([context_k, k], dim=-3).transpose(-3, -2)  # shape: [..., heads, m+n, d]
-        values = torch.cat([context_v, v], dim=-3).transpose(-3, -2)
+        keys = self._expand(torch.cat([context_k, k], dim=-3).transpose(-3, -2))  # shape: [..., heads, m+n, d]
+        values = self._expand(torch.cat([context_v, v], dim=-3).transpose(-3, -2))
         mask = None if allowed is None else allowed.unsqueeze(-3)
         attended = F.scaled_dot_product_attention(q.transpose(-3, -2), keys, values,
                                                   attn_mask=mask)  # shape: [..., heads, n, d]
         x = x + self.o_proj(attended.transpose(-3, -2).flatten(-2))
         y = self.mlp_norm(x)
-        return x + self.down_proj(F.gelu(self.gate_proj(y), approximate="tanh") * self.up_proj(y))
+        return x + self.down_proj(self.act(self.gate_proj(y)) * self.up_proj(y))
 
 
 class DFlashModel(nn.Module):
@@ -132,16 +150,19 @@ class DFlashModel(nn.Module):
         hidden = int(text_config.hidden_size)
         check_taps_and_vocabulary(target, config.feature_layers, vocab, config.draft_vocab_size)
         self.config = config
-        eps = float(getattr(text_config, "rms_norm_eps", 1e-6))
+        eps = config.rms_norm_eps or float(getattr(text_config, "rms_norm_eps", 1e-6))
         # per-tap norms first: Gemma-3's residual stream has single dimensions near 1e5
-        self.tap_norms = nn.ModuleList(nn.RMSNorm(hidden, eps=eps) for _ in config.feature_layers)
+        self.tap_norms = nn.ModuleList(nn.RMSNorm(hidden, eps=eps) for _ in config.feature_layers
+                                       if config.tap_norms)
         self.fc = nn.Linear(len(config.feature_layers) * hidden, hidden, bias=False)
         self.context_norm = nn.RMSNorm(hidden, eps=eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+        self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if config.mask_token_id is None else None
         self.layers = nn.ModuleList(DFlashLayer(hidden, config, eps) for _ in range(config.num_layers))
         self.final_norm = nn.RMSNorm(hidden, eps=eps)
         self.register_buffer("vocab", vocab.clone().long(), persistent=False)  # shape: [Vd]
         self._borrowed = Borrowed.from_target(target, vocab)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False) if config.own_lm_head else None
+        self.origin: str | None = None  # the public format it was imported from (specwise.interop), if any
         self.default_draft_tokens: int | None = None  # drafts per step when not asked (tuned; None = B-1)
         if initialize:
             self._initialize()
@@ -154,7 +175,10 @@ class DFlashModel(nn.Module):
         for layer in self.layers:
             nn.init.zeros_(layer.o_proj.weight)
             nn.init.zeros_(layer.down_proj.weight)
-        nn.init.normal_(self.mask_embedding, std=1.0)
+        if self.mask_embedding is not None:
+            nn.init.normal_(self.mask_embedding, std=1.0)
+        if self.lm_head is not None:
+            self.lm_head.weight.copy_(self._borrowed.head)
 
     # ------------------------------------------------------------------ pieces
     @property
@@ -163,14 +187,30 @@ class DFlashModel(nn.Module):
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """``[..., F*H]`` concatenated target features -> ``[..., H]`` context vectors."""
-        taps = features.to(self.dtype).chunk(len(self.tap_norms), dim=-1)
-        return self.context_norm(self.fc(torch.cat([norm(tap) for norm, tap in zip(self.tap_norms, taps)], dim=-1)))
+        features = features.to(self.dtype)
+        if self.config.tap_norms:
+            taps = features.chunk(len(self.tap_norms), dim=-1)
+            features = torch.cat([norm(tap) for norm, tap in zip(self.tap_norms, taps)], dim=-1)
+        return self.context_norm(self.fc(features))
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[...]`` target token ids -> ``[..., H]`` embeddings (borrowed: the target's embedding module,
+        or its table as stored with ``raw_embeddings``), in the drafter's dtype."""
+        out = self._borrowed.embed(token_ids)
+        scale = getattr(self._borrowed.embed, "embed_scale", None)  # Gemma's sqrt(H), HF's and the packed module's
+        if self.config.raw_embeddings and scale is not None:
+            out = out / scale.to(out.dtype)
+        return out.to(self.dtype)
 
     def block_input(self, anchors: torch.Tensor) -> torch.Tensor:
         """``[...]`` anchor token ids -> ``[..., B, H]`` block inputs: the anchor's (borrowed) embedding,
-        then ``B - 1`` mask vectors."""
-        first = self._borrowed.embed(anchors).to(self.dtype)[..., None, :]
-        rest = self.mask_embedding.to(self.dtype).expand(*anchors.shape, self.config.block_size - 1, -1)
+        then ``B - 1`` mask entries (the learned vector, or ``mask_token_id``'s embedding)."""
+        first = self.embed(anchors)[..., None, :]
+        if self.mask_embedding is None:
+            mask = self.embed(torch.tensor(self.config.mask_token_id, device=anchors.device))
+        else:
+            mask = self.mask_embedding.to(self.dtype)
+        rest = mask.expand(*anchors.shape, self.config.block_size - 1, -1)
         return torch.cat([first, rest], dim=-2)
 
     def context_keys_values(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -188,7 +228,11 @@ class DFlashModel(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` final states -> ``[..., Vd]`` draft-vocabulary logits."""
         normed = self.final_norm(h)
-        return normed @ self._borrowed.head.to(normed.dtype).T
+        return normed @ self.output_weight().to(normed.dtype).T
+
+    def output_weight(self) -> torch.Tensor:
+        """``[Vd, H]`` the output layer: the drafter's own, or the target's LM-head rows of the draft vocabulary."""
+        return self.lm_head.weight if self.lm_head is not None else self._borrowed.head
 
     # ------------------------------------------------------------------ training
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
@@ -218,7 +262,7 @@ class DFlashModel(nn.Module):
         s = torch.arange(length, device=device)
         anchor_of = anchors[:, :, None].expand(batch, blocks, size).flatten(1)  # shape: [Bt, N*B]
         sees_context = (s[None, None, :] < anchor_of[..., None]) & \
-                       (s[None, None, :] >= anchor_of[..., None] - self.config.window)  # shape: [Bt, N*B, S]
+                       (s[None, None, :] >= anchor_of[..., None] - self.config.attention_window)  # shape: [Bt, N*B, S]
         block_id = torch.arange(blocks, device=device).repeat_interleave(size)
         same_block = (block_id[:, None] == block_id[None, :]).expand(batch, -1, -1)  # shape: [Bt, N*B, N*B]
         allowed = torch.cat([sees_context, same_block], dim=-1)
@@ -232,3 +276,8 @@ class DFlashModel(nn.Module):
 
     def architecture(self) -> dict:
         return {**asdict(self.config), "feature_layers": list(self.config.feature_layers)}
+
+    def is_standard(self) -> bool:
+        """True when the drafter computes the public DFlash layout's function (no per-tap norms, a
+        mask token embedded like any token from the stored table)."""
+        return not self.config.tap_norms and self.config.mask_token_id is not None and self.config.raw_embeddings

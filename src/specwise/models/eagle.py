@@ -36,11 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from specwise.errors import ConfigError
-from specwise.models.common import ACTIVATIONS, Borrowed, check_int, check_taps_and_vocabulary, rotary
+from specwise.models.common import ACTIVATIONS, AttentionShape, Borrowed, check_int, check_taps_and_vocabulary, rotary
 
 
 @dataclass(frozen=True)
-class EagleConfig:
+class EagleConfig(AttentionShape):
     """Architecture of an EAGLE-3 head."""
 
     feature_layers: tuple[int, ...] = (2, 9, 15)  # target hidden_states indices fused (low, mid, high)
@@ -66,24 +66,8 @@ class EagleConfig:
             raise ConfigError("an EAGLE head needs at least one feature layer.")
         for name in ("draft_vocab_size", "num_heads", "head_dim", "intermediate_size"):
             check_int(name, getattr(self, name))
-        check_int("window", self.window, optional=True)
-        check_int("num_kv_heads", self.num_kv_heads, optional=True)
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even (rotary pairs), got {self.head_dim}.")
-        if self.hidden_act not in ACTIVATIONS:
-            raise ConfigError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}.")
-        if self.num_heads % self.kv_heads:
-            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.kv_heads}).")
+        self.check_attention()
 
-    @property
-    def kv_heads(self) -> int:
-        """Key/value heads (``num_kv_heads``, or ``num_heads`` when unset)."""
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def attention_window(self) -> int:
-        """Committed keys a query sees at most (unbounded: larger than any context)."""
-        return self.window or 1 << 62
 
 
 # the field's EAGLE-3 layer (speculators / SpecForge / vLLM): raw taps into fc, a SiLU MLP, full

@@ -38,6 +38,9 @@ def add_serve_args(p: argparse.ArgumentParser, default_target: str) -> None:
                         "(default: the default method, ar and pld)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of the default method, e.g. num_draft_tokens=8 (repeatable)")
+    p.add_argument("--drafter", default=None, metavar="PATH",
+                   help="the default method's drafter: a directory in specwise's or a public format "
+                        "(speculators, SpecForge, z-lab DFlash, Medusa; docs/interop.md), or a draft-model alias")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
@@ -74,6 +77,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not eq or not key.strip():
             raise ConfigError(f"--option takes KEY=VALUE, got {item!r}.")
         options[key.strip()] = parse_option_value(value.strip())
+    if args.drafter is not None:
+        if not Path(args.drafter).exists() and args.drafter not in KNOWN_TARGETS:
+            raise ConfigError(f"the drafter {args.drafter} does not exist (and is not one of the aliases).")
+        options["drafter_path"] = args.drafter
     METHODS.get(default).make_config(**options)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)

@@ -166,11 +166,34 @@ class DFlashOptions(TappedOptions):
     draft_vocab_size: int = redefault(TappedOptions, "draft_vocab_size", default_of(DFlashConfig, "draft_vocab_size"))
     block_size: int = option(default_of(DFlashRecipeConfig, "block_size"), "tokens per block, anchor included")
     dflash_layers: int = option(default_of(DFlashConfig, "num_layers"), "draft transformer layers")
+    arch: str = option("specwise", "drafter's architecture: specwise (per-tap norms, a learned mask vector, windowed "
+                       "context) or standard (the layout speculators and vLLM run: `specwise export` writes it "
+                       "exactly)", choices=("specwise", "standard"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("block_size", self.block_size, 2)
         check_int("dflash_layers", self.dflash_layers, 1)
+        if self.arch not in ("specwise", "standard"):
+            raise ConfigError(f"arch must be specwise or standard, got {self.arch!r}.")
+
+
+def mask_token(target) -> int:
+    """The token the standard layout's mask entries embed: the tokenizer's mask token, else the first
+    LM-head row past the tokenizer's vocabulary (padding rows never appear in text), else its unknown
+    token.
+
+    Raises:
+        ConfigError: the target has none of those.
+    """
+    tokenizer = target.tokenizer
+    if tokenizer.mask_token_id is not None:
+        return int(tokenizer.mask_token_id)
+    if len(tokenizer) < target.vocab_size:
+        return len(tokenizer)
+    if tokenizer.unk_token_id is not None:
+        return int(tokenizer.unk_token_id)
+    raise ConfigError(f"{target.name} has no mask, padding or unknown token for the standard DFlash layout's mask.")
 
 
 @register_recipe("dflash", DFlashOptions, "train a DFlash block-diffusion drafter on the frozen target's features")
@@ -187,9 +210,11 @@ def train_dflash(job: TrainingJob, options: DFlashOptions) -> Path:
                               block_size=options.block_size, loss_on=options.loss_on)
     recipe = DFlashRecipe(job.corpus, features.vocab, layers, data, features.directory)
     job.say(f"{describe_data(recipe, layers)}, block {options.block_size}")
+    variant = ({"tap_norms": False, "mask_token_id": mask_token(job.target), "raw_embeddings": True, "window": None,
+                "hidden_act": "silu"} if options.arch == "standard" else {"window": options.max_length})
     model = DFlashModel(job.target, DFlashConfig(feature_layers=layers, draft_vocab_size=options.draft_vocab_size,
                                                  block_size=options.block_size, num_layers=options.dflash_layers,
-                                                 window=options.max_length), features.vocab)
+                                                 **variant), features.vocab)
     plan = TrainingPlan("DFlash block diffusion (random anchors, bidirectional blocks, soft cross-entropy on "
                         "target top-k, entry k weighted exp(-(k-1)/4), draft vocabulary)", model, recipe, data)
     return train_and_save(job, options, features, plan)
