@@ -63,3 +63,19 @@ def test_tree_verification_past_the_sliding_window(target, greedy_reference):
     assert medusa.token_ids == ar.token_ids
     dflash = specwise.generate(target, prompt, method="dflash", max_new_tokens=24)  # blocks over a long context
     assert dflash.token_ids == ar.token_ids
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "eagle3"])
+def test_the_shipped_eagle_head_exported_and_imported_drafts_the_same(target, greedy_reference, fmt, tmp_path):
+    """docs/interop.md: the shipped head through a public format (float32: no rounding) accepts exactly
+    what the shipped head accepts, step by step."""
+    from specwise.drafters.export import export_drafter
+
+    exported = export_drafter(target, tmp_path / fmt, fmt, method="eagle", dtype=target.dtype,
+                              unbounded_attention=True)  # the prompts are far shorter than the window
+    for name in ("code", "repetitive"):
+        shipped = specwise.generate(target, PROMPTS[name], method="eagle", max_new_tokens=NEW)
+        imported = specwise.generate(target, PROMPTS[name], method="eagle", drafter_path=str(exported.path),
+                                     max_new_tokens=NEW)
+        assert imported.token_ids == shipped.token_ids == greedy_reference[name].token_ids
+        assert imported.stats.accepted_lengths == shipped.stats.accepted_lengths

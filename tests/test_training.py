@@ -542,11 +542,11 @@ _FLAG_DEFAULTS = {
     "draft": {"lr": 5e-4, "batch_tokens": 4096, "draft_vocab_size": 32768, "init_layers": (0, -1), "minutes": 45.0,
               "borrowed_layers": 0, "loss_on": "all"},
     "eagle": {"lr": 8e-4, "batch_tokens": 4096, "draft_vocab_size": 16384, "minutes": 45.0, "ttt_steps": 3,
-              "max_length": 1024, "loss_on": "all", "feature_layers": None},
+              "max_length": 1024, "loss_on": "all", "feature_layers": None, "arch": "specwise"},
     "medusa": {"lr": 1e-3, "batch_tokens": 2048, "draft_vocab_size": 16384, "minutes": 30.0, "num_heads": 4,
-               "medusa_layers": 1, "loss_on": "all"},
+               "medusa_layers": 1, "loss_on": "all", "arch": "specwise"},
     "dflash": {"lr": 8e-4, "batch_tokens": 2048, "draft_vocab_size": 16384, "minutes": 45.0, "block_size": 8,
-               "dflash_layers": 2, "max_length": 1024, "loss_on": "all", "feature_layers": None},
+               "dflash_layers": 2, "max_length": 1024, "loss_on": "all", "feature_layers": None, "arch": "specwise"},
 }
 _COMMON_DEFAULTS = {"steps": None, "grad_accum": 1, "top_k": 8, "validate_every": 100, "seed": 0, "init_from": None,
                     "precision": "auto"}
@@ -580,6 +580,9 @@ def test_recipe_options_are_validated():
         get_recipe("draft").options_cls(loss_on="prompt")
     with pytest.raises(ConfigError, match="block_size"):
         get_recipe("dflash").options_cls(block_size=1)
+    for method in ("eagle", "medusa", "dflash"):
+        with pytest.raises(ConfigError, match="arch must be specwise or standard"):
+            get_recipe(method).options_cls(arch="vllm")
     with pytest.raises(ConfigError, match="precision"):
         get_recipe("medusa").options_cls(precision="fp16")
     with pytest.raises(ConfigError, match="no training option colour"):
