@@ -122,13 +122,20 @@ def test_a_windowed_head_keeps_its_window_in_speculators_and_is_refused_by_specf
 
 def test_caveats_name_what_each_runtime_cannot_run(tmp_path):
     target = make_target("gemma3")
-    ours = export_eagle3(make_head(target), target, tmp_path / "a").caveats
-    assert any("SiLU" in c for c in ours) and any("fc_norm" in c for c in ours)
-    assert any("llama.cpp" in c and "gemma3" in c for c in ours)
-    standard = export_eagle3(make_head(make_target("llama"), **STANDARD_ARCHITECTURE), make_target("llama"),
-                             tmp_path / "b")
+    ours = export_eagle3(make_head(target), target, tmp_path / "a")
+    assert any("SiLU" in c for c in ours.caveats) and any("fc_norm" in c for c in ours.caveats)
+    assert any("llama.cpp" in c and "gemma3" in c for c in ours.caveats)
+    assert ours.serve == {}  # no runtime runs a GELU head: no command to paste
+    assert export_eagle3(make_head(target), target, tmp_path / "a2", "eagle3", unbounded_attention=True).serve == {}
+    llama = make_target("llama")
+    standard = export_eagle3(make_head(llama, **STANDARD_ARCHITECTURE), llama, tmp_path / "b")
     assert standard.caveats == []
-    assert "--speculative-config" in standard.serve["vllm"] and "EAGLE3" in standard.serve["sglang"]
+    assert set(standard.serve) == {"vllm", "llama.cpp"} and "--speculative-config" in standard.serve["vllm"]
+    sglang = export_eagle3(make_head(llama, **STANDARD_ARCHITECTURE), llama, tmp_path / "c", "eagle3")
+    assert set(sglang.serve) == {"sglang"} and "EAGLE3" in sglang.serve["sglang"]
+    # the weights are as readable as the config (a server may run as another user)
+    mode = lambda name: (sglang.path / name).stat().st_mode & 0o777  # noqa: E731
+    assert mode("model.safetensors") == mode("config.json")
 
 
 def test_vocabulary_tables_follow_the_offset_convention():
@@ -326,13 +333,26 @@ def test_an_eagle3_head_given_to_another_method_is_refused(tmp_path):
     assert isinstance(load_eagle_head(tmp_path / "head", target), EagleHead)
 
 
-def test_export_refuses_a_method_or_format_it_cannot_write(tmp_path):
+def test_export_refuses_a_method_format_or_output_it_cannot_write(tmp_path):
     target = make_target("llama")
     write_public_eagle3(tmp_path / "head", target, "speculators")
-    with pytest.raises(DrafterError, match="exports to: speculators, eagle3"):
+    with pytest.raises(DrafterError, match="eagle drafters export to speculators or eagle3, not medusa"):
         export_drafter(target, tmp_path / "out", "medusa", path=tmp_path / "head")
     with pytest.raises(DrafterError, match="no eagle drafter ships"):
         export_drafter(target, tmp_path / "out", method="eagle")
+    with pytest.raises(DrafterError, match="method 'ar' has no trained drafter to export"):
+        export_drafter(target, tmp_path / "out", method="ar")
+    with pytest.raises(DrafterError, match="does not exist"):
+        export_drafter(target, tmp_path / "out", path=tmp_path / "nowhere")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "config.json").write_text("{not json")
+    with pytest.raises(DrafterError, match="no drafter of a known format"):
+        export_drafter(target, tmp_path / "out", path=tmp_path / "junk")
+    (tmp_path / "afile").write_text("x")
+    for out, message in ((tmp_path / "afile", "is a file"), (tmp_path / "afile" / "sub", "cannot create"),
+                         (tmp_path / "junk", "already holds files")):
+        with pytest.raises(DrafterError, match=message):
+            export_drafter(target, out, path=tmp_path / "head", dtype=torch.float64)
     # an imported head re-exports (speculators -> SpecForge)
     out = export_drafter(target, tmp_path / "sgl", "eagle3", path=tmp_path / "head", dtype=torch.float64)
     assert detect(out.path).name == "eagle3"
@@ -341,21 +361,22 @@ def test_export_refuses_a_method_or_format_it_cannot_write(tmp_path):
 # ---------------------------------------------------------------------------------------- canary
 
 
-def _feedback(accepted: int) -> StepFeedback:
-    return StepFeedback(torch.arange(4), num_drafted=4, num_accepted=accepted, cache_length=3)
+def _feedback(accepted: int, drafted: int = 4) -> StepFeedback:
+    return StepFeedback(torch.arange(4), num_drafted=drafted, num_accepted=accepted, cache_length=3)
 
 
-def test_the_canary_warns_once_when_nothing_is_accepted():
-    canary = ImportCanary("speculators (EAGLE-3)", steps=3)
-    with pytest.warns(UserWarning, match="no draft token accepted in its first 3 greedy steps"):
-        for _ in range(3):
-            canary.observe(_feedback(0))
+def test_the_canary_warns_once_when_almost_nothing_is_accepted():
+    canary = ImportCanary("speculators (EAGLE-3)", steps=10, min_rate=0.2)  # warns below 2 tokens in 10 steps
+    with pytest.warns(UserWarning, match="had 1 draft tokens accepted in its first 10 greedy steps"):
+        for accepted in (1, *[0] * 9):
+            canary.observe(_feedback(accepted, drafted=4 if accepted else 0))  # steps without drafts count
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         canary.observe(_feedback(0))  # once only
-        happy = ImportCanary("x", steps=3)
-        for accepted in (0, 1, 0, 0, 0):
+        happy = ImportCanary("x", steps=10, min_rate=0.2)
+        for accepted in (0, 1, 0, 1, *[0] * 10):
             happy.observe(_feedback(accepted))
+        assert happy.done
 
 
 def test_an_imported_head_that_never_matches_trips_the_canary(tmp_path):
@@ -576,6 +597,27 @@ def test_dflash_round_trip_gives_the_same_block_logits(tmp_path, arch, full_voca
     ids = random_prompt(18, seed=8)
     torch.testing.assert_close(block_logits(imported, target, ids), block_logits(model, target, ids),
                                rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("method", ["eagle", "dflash"])
+def test_a_bf16_export_keeps_the_vocabulary_tables_integer(tmp_path, method):
+    """The weights go to bf16, the tables must not: bf16 offsets of a 262k-token vocabulary round
+    to other tokens (this once turned a real-model DFlash export into a drafter that accepted nothing)."""
+    target = make_target("gemma3")
+    vocab = torch.randperm(target.vocab_size)[:VOCAB_D]
+    if method == "eagle":
+        path = export_eagle3(make_head(target, vocab=vocab), target, tmp_path / "x").path
+        imported = read_eagle3(path, target)
+    else:
+        path = export_dflash(make_dflash(target, vocab, **DFLASH_STANDARD), target, tmp_path / "x").path
+        imported = read_dflash(path, target)
+    tables = load_file(str(path / "model.safetensors"))
+    assert tables["d2t"].dtype == torch.int64 and tables["t2d"].dtype == torch.bool
+    assert sorted(imported.vocab.tolist()) == sorted(vocab.tolist())
+    tables["d2t"] = tables["d2t"].to(torch.bfloat16)
+    save_file(tables, str(path / "model.safetensors"))
+    with pytest.raises(DrafterError, match="not an integer table"):
+        (read_eagle3 if method == "eagle" else read_dflash)(path, target)
 
 
 def test_dflash_export_refuses_what_the_format_cannot_express(tmp_path):

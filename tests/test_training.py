@@ -360,7 +360,7 @@ def test_a_drafter_for_another_target_is_refused_naming_both(tmp_path):
     (tmp_path / "d" / "model.safetensors").unlink()
     with pytest.raises(DrafterError, match="no weights"):
         load_drafter(tmp_path / "d", target)
-    with pytest.raises(DrafterError, match="not a specwise drafter"):
+    with pytest.raises(DrafterError, match="not a drafter directory: config.json is missing"):
         load_drafter(tmp_path, target)
 
 

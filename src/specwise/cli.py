@@ -131,8 +131,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                "(trained drafters ship for gemma-3-270m; a draft model for qwen2.5-coder-1.5b-instruct).")
         if (config.drafter_path is not None and config.drafter_path not in KNOWN_TARGETS
                 and not Path(config.drafter_path).exists()):
-            raise DrafterError(f"the drafter {config.drafter_path} does not exist (and is not one of the aliases "
-                               f"{', '.join(KNOWN_TARGETS)}).")
+            aliases = (f" (and is not one of the draft-model aliases {', '.join(KNOWN_TARGETS)})"
+                       if args.method == "draft" else "")
+            raise DrafterError(f"the drafter {config.drafter_path} does not exist{aliases}.")
     resolve_device(args.device)
     target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress, weights=args.weights)
     streamer = None if args.json else _TextStreamer()

@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from specwise.engine.aliases import KNOWN_TARGETS
 from specwise.errors import DrafterError
+from specwise.interop.formats import read_json
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -112,15 +113,10 @@ def read_config(path: str | Path) -> dict[str, Any]:
     Raises:
         DrafterError: the directory or its config is missing or unreadable.
     """
-    config_path = Path(path) / CONFIG_NAME
-    if not config_path.is_file():
-        raise DrafterError(f"{path} is not a specwise drafter: {CONFIG_NAME} is missing.")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DrafterError(f"{config_path} is not valid JSON ({exc}).") from None
+    config = read_json(Path(path) / CONFIG_NAME)
     if config.get("specwise_drafter_format") != FORMAT_VERSION:
-        raise DrafterError(f"{path} is not a specwise drafter of format {FORMAT_VERSION}.")
+        raise DrafterError(f"{path} holds no drafter of a known format (specwise's, speculators, SpecForge EAGLE-3, "
+                           "z-lab DFlash, FasterDecoding Medusa: docs/interop.md).")
     return config
 
 

@@ -17,11 +17,53 @@ from specwise.drafters.medusa import load_medusa_heads
 from specwise.errors import DrafterError
 from specwise.interop.dflash import export_dflash
 from specwise.interop.eagle3 import EXPORT_FORMATS, export_eagle3
-from specwise.interop.formats import Exported, detect
+from specwise.interop.formats import Exported, Format, detect
 from specwise.interop.medusa import export_medusa
 
 #: method -> the formats its drafters export to
 FORMATS = {"eagle": EXPORT_FORMATS, "medusa": ("medusa",), "dflash": ("speculators",)}
+
+
+def resolve_export(target, fmt: str, path: str | Path | None = None, method: str | None = None) -> tuple[Path, Format]:
+    """The drafter directory an export reads and its format, checked against ``fmt`` before any
+    model is loaded.
+
+    Args:
+        target: the :class:`specwise.engine.target.Target`, or its name.
+        fmt: the format to write.
+        path: the drafter's directory; ``None``: the one shipped for ``method``.
+        method: the drafter's method when ``path`` is not given.
+
+    Raises:
+        DrafterError: no such directory, no drafter of a known format in it, a method without a
+            drafter to export, or a format the method does not export to.
+    """
+    name = target if isinstance(target, str) else target.name
+    if path is None:
+        if method is None:
+            raise DrafterError("give the drafter's directory, or the method whose shipped drafter to export.")
+        if method not in FORMATS:
+            raise DrafterError(f"method {method!r} has no trained drafter to export; these do: {', '.join(FORMATS)}"
+                               + (" (the draft model exports with `specwise export-hf`)." if method == "draft" else "."))
+        path = shipped_drafter(name, method)
+        if path is None or not Path(str(path)).is_dir():
+            raise DrafterError(f"no {method} drafter ships for {name}; give its directory.")
+    path = Path(str(path))
+    if not path.is_dir():
+        raise DrafterError(f"the drafter directory {path} does not exist.")
+    found = detect(path)
+    if found is None:
+        raise DrafterError(f"{path} holds no drafter of a known format (its config.json is missing, unreadable or "
+                           "of none of: specwise, speculators, SpecForge EAGLE-3, z-lab DFlash, Medusa).")
+    if method is not None and found.method != method:
+        raise DrafterError(f"{path} holds a {found.label} drafter, not a {method} one.")
+    allowed = FORMATS.get(found.method)
+    if allowed is None:
+        raise DrafterError(f"{path} holds a {found.label} drafter, which does not export"
+                           + (" (the draft model exports with `specwise export-hf`)." if found.method == "draft" else "."))
+    if fmt not in allowed:
+        raise DrafterError(f"{found.method} drafters export to {' or '.join(allowed)}, not {fmt}.")
+    return path, found
 
 
 def export_drafter(target, out: str | Path, fmt: str = "speculators", *, path: str | Path | None = None,
@@ -29,46 +71,30 @@ def export_drafter(target, out: str | Path, fmt: str = "speculators", *, path: s
     """Write a drafter of ``target`` in a public format.
 
     Args:
-        target: the :class:`specwise.engine.target.Target` the drafter runs on.
-        out: the directory to write.
+        target: the :class:`specwise.engine.target.Target` the drafter runs on
+            (``specwise.load_target("gemma-3-270m")``).
+        out: the directory to write (new or empty).
         fmt: ``"speculators"``, ``"eagle3"`` (SpecForge / SGLang) or ``"medusa"`` (FasterDecoding).
         path: the drafter's directory (any format ``--drafter`` reads); ``None``: the one shipped
             for ``method``.
         method: the drafter's method when ``path`` is not given (else read from its config).
         dtype: the weights' dtype.
-        **options: the format writer's own (e.g. ``verifier``, ``speculative_tokens``,
-            ``unbounded_attention`` for EAGLE-3).
+        **options: the format writer's own (``verifier``, ``speculative_tokens`` and
+            ``unbounded_attention`` for EAGLE-3; ``verifier``, ``unbounded_attention`` for DFlash).
 
     Returns:
-        :class:`specwise.interop.formats.Exported`: the directory, the runtimes' caveats and their
-        serve commands.
+        :class:`specwise.interop.formats.Exported`: the directory, the runtimes' caveats and the
+        serve commands of the runtimes that run it.
 
     Raises:
-        DrafterError: no drafter found, a method or format that does not export, or a drafter the
-            format cannot express exactly.
+        DrafterError: what :func:`resolve_export` refuses, an output path that is a file or holds
+            files, or a drafter the format cannot express exactly.
     """
-    if path is None:
-        if method is None:
-            raise DrafterError("give the drafter's directory or --method to export the one shipped for the target.")
-        path = shipped_drafter(target, method)
-        if path is None or not Path(str(path)).is_dir():
-            raise DrafterError(f"no {method} drafter ships for {target.name}; give its directory.")
-    found = detect(path)
-    if found is None:
-        raise DrafterError(f"{path} is not a drafter directory of any known format.")
-    if method is not None and found.method != method:
-        raise DrafterError(f"{path} holds a {found.label} drafter, not a {method} one.")
-    allowed = FORMATS.get(found.method, ())
-    if fmt not in allowed:
-        what = ", ".join(allowed) if allowed else "none yet"
-        raise DrafterError(f"a {found.method} drafter exports to: {what} (not {fmt}); the draft model exports "
-                           "with `specwise export-hf`.")
+    path, found = resolve_export(target, fmt, path, method)
     if found.method == "eagle":
         return export_eagle3(load_eagle_head(path, target), target, out, fmt, dtype=dtype, **options)
     if found.method == "dflash":
         return export_dflash(load_dflash(path, target), target, out, dtype=dtype, verifier=options.get("verifier"),
                              unbounded_attention=bool(options.get("unbounded_attention")))
-    if found.method == "medusa":
-        return export_medusa(load_medusa_heads(path, target)[0], target, out, dtype=dtype,
-                             verifier=options.get("verifier"))
-    raise DrafterError(f"exporting {found.method} drafters to {fmt} is not supported yet (docs/interop.md).")
+    return export_medusa(load_medusa_heads(path, target)[0], target, out, dtype=dtype,
+                         verifier=options.get("verifier"))

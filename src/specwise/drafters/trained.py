@@ -145,33 +145,37 @@ class TrainedDrafter(Drafter):
 
 
 class ImportCanary:
-    """Warns once when an imported drafter's first greedy verification steps accept nothing.
+    """Warns once when an imported drafter's first greedy verification steps accept (almost) nothing.
 
     A public checkpoint read with the wrong tap ids, norms or vocabulary map still drafts, just
-    never the target's tokens (no draft accepted, slower than plain decoding, no error): the loader checks what
-    it can, and this catches the rest early.
+    (almost) never the target's tokens (slower than plain decoding, no error): the loader checks
+    what it can, and this catches the rest early.
 
     Args:
         origin: how the warning names the format.
-        steps: greedy steps with drafts to watch.
+        steps: greedy steps to watch (a step without drafts counts: a head that misreads its
+            taps is rarely confident enough to draft at all).
+        min_rate: accepted draft tokens per watched step below which it warns (a drafter that fits
+            its target accepts several times more).
     """
 
-    def __init__(self, origin: str, steps: int = 8) -> None:
+    def __init__(self, origin: str, steps: int = 16, min_rate: float = 0.15) -> None:
         self.origin = origin
         self.steps = steps
+        self.min_rate = min_rate
         self.watched = 0
         self.accepted = 0
         self.done = False
 
     def observe(self, feedback: StepFeedback) -> None:
-        if self.done or feedback.num_drafted == 0:
+        if self.done:
             return
         self.watched += 1
         self.accepted += feedback.num_accepted
-        if self.accepted:
+        if self.accepted >= self.min_rate * self.steps:
             self.done = True
         elif self.watched >= self.steps:
             self.done = True
-            warnings.warn(f"the imported {self.origin} drafter had no draft token accepted in its first "
+            warnings.warn(f"the imported {self.origin} drafter had {self.accepted} draft tokens accepted in its first "
                           f"{self.steps} greedy steps: check that it was made for this target (its tap layer ids "
                           "and their origin, its norm flags, its d2t vocabulary map).", UserWarning, stacklevel=2)

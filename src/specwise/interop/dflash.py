@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from specwise.errors import DrafterError
 from specwise.interop.formats import (
@@ -41,10 +40,12 @@ from specwise.interop.formats import (
     format_of,
     load_weights,
     mapped_state,
+    prepare_out,
     read_json,
     require,
     rope_theta,
     verifier_name,
+    write_export,
 )
 from specwise.interop.vocab import from_d2t, to_tables
 from specwise.models.common import check_taps_and_vocabulary
@@ -102,7 +103,8 @@ def export_dflash(model: DFlashModel, target, out: str | Path, *, verifier: str 
         tensors["lm_head.weight"] = model.output_weight()[order.to(model.fc.weight.device)]
         if not full:
             tensors["d2t"], tensors["t2d"] = d2t, t2d
-    tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in tensors.items()}
+    tensors = {name: (t.detach().to(dtype) if t.is_floating_point() else t).cpu().contiguous()
+               for name, t in tensors.items()}  # the weights in ``dtype``; d2t stays int64, t2d bool
     name = verifier or verifier_name(target)
     layer = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": cfg.num_layers,
              "hidden_size": hidden, "intermediate_size": cfg.intermediate_size,
@@ -123,10 +125,8 @@ def export_dflash(model: DFlashModel, target, out: str | Path, *, verifier: str 
                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1,
                                         "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                   "verifier": {"name_or_path": name, "architectures": [type(target.model).__name__]}}}
-    path = Path(out)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
-    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    path = prepare_out(out)
+    write_export(path, tensors, config)
     spec = json.dumps({"method": "dflash", "model": str(path), "num_speculative_tokens": cfg.block_size - 1})
     caveats = []
     if cfg.hidden_act != "silu":

@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from specwise.errors import DrafterError
 from specwise.interop.formats import (
@@ -56,10 +55,12 @@ from specwise.interop.formats import (
     format_of,
     load_weights,
     mapped_state,
+    prepare_out,
     read_json,
     require,
     rope_theta,
     verifier_name,
+    write_export,
 )
 from specwise.interop.vocab import from_d2t, to_tables
 from specwise.models.common import check_taps_and_vocabulary
@@ -90,7 +91,7 @@ def export_eagle3(head: EagleHead, target, out: str | Path, fmt: str = "speculat
     Args:
         head: the head, on ``target``.
         target: the :class:`specwise.engine.target.Target` it drafts for.
-        out: the directory to write (created).
+        out: the directory to write (new or empty; created).
         fmt: ``"speculators"`` or ``"eagle3"`` (SpecForge / SGLang).
         verifier: the target's name for the runtimes (default: its Hugging Face repository when
             known, else its specwise name).
@@ -104,14 +105,13 @@ def export_eagle3(head: EagleHead, target, out: str | Path, fmt: str = "speculat
         :class:`Exported`.
 
     Raises:
-        DrafterError: an unknown format, or a head the format cannot express exactly (the message
-            says which option trains one it can: ``specwise train eagle --arch standard``).
+        DrafterError: an unknown format, an output path that is a file or holds files, or a head
+            the format cannot express exactly (the message says which option trains one it can:
+            ``specwise train eagle --arch standard``).
     """
     if fmt not in EXPORT_FORMATS:
         raise DrafterError(f"unknown EAGLE-3 export format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}.")
     cfg = head.config
-    if cfg.norm_before_residual is None:  # pragma: no cover - a bool by construction
-        raise DrafterError("norm_before_residual must be set.")
     if fmt == "eagle3" and cfg.window is not None and not unbounded_attention:
         raise DrafterError(f"this head attends to at most {cfg.window} earlier tokens, which the SpecForge/SGLang "
                            f"format cannot express; export to speculators, pass --unbounded-attention to accept "
@@ -152,11 +152,9 @@ def export_eagle3(head: EagleHead, target, out: str | Path, fmt: str = "speculat
                   "target_model_type": str(text.model_type),
                   # SGLang reads only this copy, as outputs of layer k: hidden_states index k + 1
                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.feature_layers]}}
-    path = Path(out)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
-    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-    return Exported(path, _caveats(head, text, fmt), _serve_commands(path, name, speculative_tokens))
+    path = prepare_out(out)
+    write_export(path, tensors, config)
+    return Exported(path, _caveats(head, text, fmt), _serve_commands(head, text, fmt, path, name, speculative_tokens))
 
 
 def _layer_config(head: EagleHead, text, vocab_size: int, window: int | None) -> dict[str, Any]:
@@ -193,16 +191,25 @@ def _caveats(head: EagleHead, text, fmt: str) -> list[str]:
     return out
 
 
-def _serve_commands(path: Path, verifier: str, tokens: int) -> dict[str, str]:
-    spec = json.dumps({"method": "eagle3", "model": str(path), "num_speculative_tokens": tokens})
-    return {
-        "vllm": f"vllm serve {verifier} --speculative-config '{spec}'",
-        "sglang": (f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 "
-                   f"--speculative-draft-model-path {path} --speculative-num-steps {tokens} "
-                   f"--speculative-eagle-topk 4 --speculative-num-draft-tokens 8"),
-        "llama.cpp": (f"python convert_hf_to_gguf.py {path} --target-model-dir TARGET_HF_DIR --outfile draft.gguf && "
-                      f"llama-server -m TARGET.gguf -md draft.gguf --spec-type draft-eagle3 --spec-draft-n-max {tokens}"),
-    }
+def _serve_commands(head: EagleHead, text, fmt: str, path: Path, verifier: str, tokens: int) -> dict[str, str]:
+    """The commands of the runtimes that run this export as it is: vLLM reads the speculators
+    format, SGLang SpecForge's; none runs a GELU layer, llama.cpp and older SGLang no ``fc_norm``."""
+    cfg = head.config
+    out = {}
+    if cfg.hidden_act != "silu":
+        return out
+    if fmt == "speculators":
+        spec = json.dumps({"method": "eagle3", "model": str(path), "num_speculative_tokens": tokens})
+        out["vllm"] = f"vllm serve {verifier} --speculative-config '{spec}'"
+        if not cfg.tap_norms and str(text.model_type) not in LLAMA_CPP_NO_TAPS:
+            out["llama.cpp"] = (f"python convert_hf_to_gguf.py {path} --target-model-dir TARGET_HF_DIR --outfile "
+                                f"draft.gguf && llama-server -m TARGET.gguf -md draft.gguf --spec-type draft-eagle3 "
+                                f"--spec-draft-n-max {tokens}")
+    elif not cfg.tap_norms:
+        out["sglang"] = (f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 "
+                         f"--speculative-draft-model-path {path} --speculative-num-steps {tokens} "
+                         f"--speculative-eagle-topk 4 --speculative-num-draft-tokens 8")
+    return out
 
 
 # ---------------------------------------------------------------------------------------- import

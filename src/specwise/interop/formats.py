@@ -17,12 +17,13 @@ format                        recognized by                                     
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from specwise.engine.aliases import KNOWN_TARGETS
 from specwise.errors import DrafterError
@@ -100,6 +101,36 @@ def format_of(config: dict[str, Any]) -> Format | None:
     if kind is None and architectures:
         return Format("hf", "draft", "Hugging Face causal LM")
     return None
+
+
+def prepare_out(out: str | Path, create: bool = True) -> Path:
+    """The export directory, created (unless ``create`` is false: only checked); refused when it is
+    a file or already holds files (an export never mixes with stale weights).
+
+    Raises:
+        DrafterError: ``out`` is a file, a non-empty directory, or cannot be created.
+    """
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise DrafterError(f"{path} is a file, not a directory to export into.")
+    if path.is_dir() and any(path.iterdir()):
+        raise DrafterError(f"{path} already holds files; export into a new or empty directory.")
+    try:
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DrafterError(f"cannot create {path} ({exc.strerror or exc}).") from None
+    return path
+
+
+def write_export(path: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any],
+                 weights_name: str = WEIGHTS_NAME) -> None:
+    """Write an export's weights (safetensors) and ``config.json``, readable by other users like the
+    config (a server often runs as another user; safetensors alone writes owner-only files)."""
+    save_file(tensors, str(path / weights_name), metadata={"format": "pt"})
+    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    mode = (path / CONFIG_NAME).stat().st_mode & 0o777
+    os.chmod(path / weights_name, mode)
 
 
 def check_method(path: str | Path, method: str) -> Format | None:
@@ -234,7 +265,8 @@ class Exported:
         path: the directory written.
         caveats: one sentence per runtime that cannot run the drafter as it is (empty for a
             standard drafter on a target every runtime serves).
-        serve: runtime name -> the command that serves it (``vllm``, ``sglang``, ``llama.cpp``).
+        serve: runtime name -> the command that serves it (``vllm``, ``sglang``, ``llama.cpp``), for
+            the runtimes that run it as it is (none may).
     """
 
     path: Path

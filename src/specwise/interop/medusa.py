@@ -14,13 +14,22 @@ a scale (``scale == 1``) over the full vocabulary export, and a set that has the
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from specwise.errors import DrafterError
-from specwise.interop.formats import CONFIG_NAME, Exported, format_of, load_weights, read_json, require
+from specwise.interop.formats import (
+    CONFIG_NAME,
+    Exported,
+    format_of,
+    load_weights,
+    prepare_out,
+    read_json,
+    require,
+    write_export,
+)
 from specwise.models.medusa import MedusaConfig, MedusaHeads
 
 WEIGHTS_NAMES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
@@ -64,16 +73,15 @@ def export_medusa(heads: MedusaHeads, target, out: str | Path, *, verifier: str 
         output = heads.lm_heads[h].weight if heads.lm_heads is not None else heads._borrowed.head
         tensors[f"{h}.{layers}.weight"] = output[order.to(output.device)]
     tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in tensors.items()}
-    path = Path(out)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / WEIGHTS_NAMES[0]), metadata={"format": "pt"})
-    torch.save(tensors, path / WEIGHTS_NAMES[1])
     text = target.model.config.get_text_config()
     name = verifier or target.name
     config = {"medusa_num_heads": heads.config.num_heads, "medusa_num_layers": layers,
               "base_model_name_or_path": name, "hidden_size": int(text.hidden_size), "vocab_size": vocab_size,
               "version": "2"}
-    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    path = prepare_out(out)
+    write_export(path, tensors, config, WEIGHTS_NAMES[0])
+    torch.save(tensors, path / WEIGHTS_NAMES[1])  # the name FasterDecoding's loader reads
+    os.chmod(path / WEIGHTS_NAMES[1], (path / CONFIG_NAME).stat().st_mode & 0o777)
     serve = {"vllm": (f"vllm serve {name} --speculative-config '{json.dumps({'method': 'medusa', 'model': str(path), 'num_speculative_tokens': heads.config.num_heads})}' "
                       "(vLLM reads its own Medusa layout: convert the keys first)"),
              "medusa": f"python -m medusa.inference.cli --model {path}"}

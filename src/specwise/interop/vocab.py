@@ -45,14 +45,17 @@ def from_d2t(d2t: torch.Tensor | None, draft_vocab_size: int, target_vocab_size:
         where: how messages name the drafter.
 
     Raises:
-        DrafterError: ``d2t`` has the wrong length, ids outside ``[0, V)``, or repeated ids; no
-            ``d2t`` while ``Vd`` differs from V.
+        DrafterError: ``d2t`` is not an integer table, has the wrong length, ids outside ``[0, V)``,
+            or repeated ids; no ``d2t`` while ``Vd`` differs from V.
     """
     if d2t is None:
         if draft_vocab_size != target_vocab_size:
             raise DrafterError(f"{where} has a {draft_vocab_size}-token draft vocabulary but no d2t table "
                                f"mapping it onto the target's {target_vocab_size} tokens.")
         return torch.arange(target_vocab_size, dtype=torch.long)
+    if d2t.is_floating_point() or d2t.dtype == torch.bool:
+        raise DrafterError(f"{where}: d2t is stored as {d2t.dtype}, not an integer table (rounded offsets map "
+                           "draft ids to the wrong tokens).")
     if d2t.dim() != 1 or d2t.numel() != draft_vocab_size:
         raise DrafterError(f"{where}: d2t has shape {list(d2t.shape)}, not [{draft_vocab_size}] (draft_vocab_size).")
     ids = d2t.long() + torch.arange(draft_vocab_size, dtype=torch.long)

@@ -79,7 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         options[key.strip()] = parse_option_value(value.strip())
     if args.drafter is not None:
         if not Path(args.drafter).exists() and args.drafter not in KNOWN_TARGETS:
-            raise ConfigError(f"the drafter {args.drafter} does not exist (and is not one of the aliases).")
+            raise ConfigError(f"the drafter {args.drafter} does not exist.")
         options["drafter_path"] = args.drafter
     METHODS.get(default).make_config(**options)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -10,10 +10,11 @@ from pathlib import Path
 
 from specwise.drafters.checkpoint import read_config, shipped_drafter
 from specwise.drafters.draft_model import load_draft_lm
-from specwise.drafters.export import export_drafter
+from specwise.drafters.export import export_drafter, resolve_export
 from specwise.engine.native.weights import WEIGHTS, WEIGHTS_HELP
 from specwise.engine.target import load_target, resolve_dtype
 from specwise.errors import ConfigError, DrafterError
+from specwise.interop.formats import prepare_out
 from specwise.models.export import export_hf
 from specwise.prompts import load_prompts
 from specwise.training.corpus import SHARD_GLOB, CorpusConfig, build_corpus
@@ -214,13 +215,13 @@ def add_drafter_export_args(p: argparse.ArgumentParser, default_target: str) -> 
     p.add_argument("--format", required=True, choices=["speculators", "eagle3", "medusa"],
                    help="speculators (vLLM), eagle3 (SpecForge / SGLang) or medusa (FasterDecoding)")
     p.add_argument("--out", required=True, help="directory to write")
-    p.add_argument("--target", default=default_target)
+    p.add_argument("--target", default=default_target, help=f"the target the drafter runs on (default {default_target})")
     p.add_argument("--verifier", default=None,
                    help="the target's name for vLLM/SGLang (default: its Hugging Face repository when known)")
     p.add_argument("--speculative-tokens", type=int, default=3, help="draft tokens per step written in the config")
     p.add_argument("--unbounded-attention", action="store_true",
                    help="allow a head with an attention window into a format without windows (SpecForge)")
-    p.add_argument("--dtype", default="bfloat16", help="weights' dtype of the export")
+    p.add_argument("--dtype", default="bfloat16", help="weights' dtype of the export (default bfloat16)")
     p.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
     p.set_defaults(func=cmd_export)
 
@@ -229,6 +230,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.speculative_tokens < 1:
         raise ConfigError(f"--speculative-tokens must be >= 1, got {args.speculative_tokens}.")
+    resolve_export(args.target, args.format, args.drafter, args.method)  # the cheap refusals before the model load
+    prepare_out(args.out, create=False)
     target = load_target(args.target, dtype="float32", device="cpu", progress=_say, weights=args.weights)
     exported = export_drafter(target, args.out, args.format, path=args.drafter, method=args.method,
                               dtype=resolve_dtype(args.dtype), verifier=args.verifier,
@@ -236,6 +239,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     _say(f"wrote {exported.path} ({args.format} format)")
     for caveat in exported.caveats:
         _say(f"note: {caveat}")
+    if not exported.serve:
+        _say("no runtime serves this export as it is (see the notes); docs/interop.md says what does.")
     for runtime, command in exported.serve.items():
         print(f"# {runtime}\n{command}")
     return 0
