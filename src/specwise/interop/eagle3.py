@@ -50,7 +50,6 @@ from specwise.interop.formats import (
     SPECULATORS_VERSION,
     WEIGHTS_NAME,
     Exported,
-    Format,
     check_layer,
     format_of,
     load_weights,
@@ -247,7 +246,7 @@ def read_eagle3(path: str | Path, target) -> EagleHead:
         layer = config
     text = target.model.config.get_text_config()
     hidden, num_layers = int(text.hidden_size), int(text.num_hidden_layers)
-    head_config = _head_config(config, layer, found, where, hidden, num_layers, target.vocab_size)
+    head_config = _head_config(config, layer, where, hidden, num_layers, target.vocab_size)
     weights = load_weights(root, (WEIGHTS_NAME, "pytorch_model.bin"))
     vocab = from_d2t(weights.pop("d2t", None), head_config.draft_vocab_size, target.vocab_size, where)
     weights.pop("t2d", None)
@@ -285,7 +284,7 @@ def _own_embeddings(weights: dict[str, torch.Tensor], target, where: str) -> tor
     return table
 
 
-def _head_config(config, layer, found: Format, where: str, hidden: int, num_layers: int,
+def _head_config(config, layer, where: str, hidden: int, num_layers: int,
                  vocab_size: int) -> EagleConfig:
     """The :class:`EagleConfig` a public config describes, after checking it against the target."""
     for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):

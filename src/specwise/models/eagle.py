@@ -69,7 +69,6 @@ class EagleConfig(AttentionShape):
         self.check_attention()
 
 
-
 # the field's EAGLE-3 layer (speculators / SpecForge / vLLM): raw taps into fc, a SiLU MLP, full
 # attention; `specwise train eagle --arch standard` trains it, `specwise export` writes it exactly
 STANDARD_ARCHITECTURE = {"tap_norms": False, "hidden_act": "silu", "window": None}
@@ -284,7 +283,3 @@ class EagleHead(nn.Module):
 
     def architecture(self) -> dict:
         return {**asdict(self.config), "feature_layers": list(self.config.feature_layers)}
-
-    def is_standard(self) -> bool:
-        """True when the head computes the field's EAGLE-3 layer (what the public formats can express)."""
-        return not self.config.tap_norms and self.config.hidden_act == "silu" and self.config.window is None
