@@ -46,8 +46,9 @@ def exact_joint(model, prompt: list[int], length: int, vocab: int = V, **samplin
     return joint.reshape([vocab] * length)
 
 
-def _draft_model(target):
-    return DraftModelDrafter(target, DraftModelConfig(num_draft_tokens=2, confidence_threshold=0.0), draft_model=make_model("llama", 1, V))
+def _draft_model(target, verification: str = "token"):
+    config = DraftModelConfig(num_draft_tokens=2, confidence_threshold=0.0, verification=verification)
+    return DraftModelDrafter(target, config, draft_model=make_model("llama", 1, V))
 
 
 def _draft_lm(target):
@@ -141,6 +142,11 @@ CONFIGS = {
     "draft-t0.8": (_draft_model, 3, dict(temperature=0.8)),
     "draft-two-drafts-t1.0": (_draft_model, 4, dict(temperature=1.0)),
     "draft-topk-topp-penalty": (_draft_model, 3, dict(temperature=1.0, top_k=5, top_p=0.9, repetition_penalty=1.3)),
+    # block verification (Sun et al. 2025) of the sampled chain: 4 new tokens, so a step verifies
+    # two drafts jointly
+    "draft-block-t0.8": (lambda target: _draft_model(target, "block"), 4, dict(temperature=0.8)),
+    "draft-block-topk-topp-penalty": (lambda target: _draft_model(target, "block"), 4,
+                                      dict(temperature=1.0, top_k=5, top_p=0.9, repetition_penalty=1.3)),
     "pld-t0.8-topk": ("pld", 3, dict(temperature=0.8, top_k=6)),
     "uniform-q-topp": (lambda target: RandomDrafter(V, 2, seed=0, with_probs=True), 3,
                        dict(temperature=1.2, top_p=0.8)),

@@ -231,3 +231,4 @@ def test_statistical_check_detects_a_biased_sampler(monkeypatch):
     first, _, _ = _verify_many(P, Q, drafts)
     with pytest.raises(AssertionError, match="not distributed as expected"):
         assert_distribution(np.bincount(first, minlength=V), P, "biased sampler")
+

@@ -14,6 +14,9 @@ verification is the exact ratio test with residual resampling. Under greedy deco
 argmax and returns no probabilities. An HF draft model drafts only within its own position limit
 (``max_position_embeddings``): past it, the step proposes nothing, which is plain decoding.
 
+``verification="block"`` verifies a sampled chain jointly (block verification, Sun et al. 2025)
+instead of token by token: lossless too, and never fewer accepted drafts in expectation.
+
 ``confidence_threshold`` ends a step's chain early when the draft's top probability falls below it
 (dynamic draft length, as in HF assisted generation's ``assistant_confidence_threshold``): low
 confidence predicts a rejection, and a draft token that will be rejected costs a draft step and a
@@ -29,11 +32,12 @@ import torch
 
 from specwise.drafters.base import Drafter, DraftingConfig, check_probability, register_drafter
 from specwise.drafters.checkpoint import is_checkpoint, load_checkpoint, shipped_drafter
+from specwise.engine.acceptance import VERIFICATION_RULES
 from specwise.engine.cache import KVCache
 from specwise.engine.loading import gguf_born, load_model_and_tokenizer
 from specwise.engine.sampling import prefix_token_masks, probs_from_scores, process_logits, sample_token
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
-from specwise.errors import DrafterError
+from specwise.errors import ConfigError, DrafterError
 from specwise.models.draft_lm import DraftLM, DraftLMConfig
 
 
@@ -47,10 +51,16 @@ class DraftModelConfig(DraftingConfig):
     num_draft_tokens: int = 8  # most tokens drafted per step (K)
     drafter_path: str | None = None  # draft model (specwise checkpoint, HF directory or .gguf); None = shipped
     confidence_threshold: float = 0.5  # stop the chain when the draft's top probability is below this; 0 = off
+    # how a sampled chain is verified: "token" (speculative sampling) or "block" (block verification,
+    # Sun et al. 2025: never fewer accepted drafts in expectation); both lossless, same when greedy
+    verification: str = "token"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_probability("confidence_threshold", self.confidence_threshold)
+        if self.verification not in VERIFICATION_RULES:
+            raise ConfigError(f"verification must be one of {', '.join(VERIFICATION_RULES)}, "
+                              f"got {self.verification!r}.")
 
 
 def check_same_vocabulary(target, draft_model, draft_tokenizer=None, draft_name: str = "the draft model") -> None:
@@ -223,7 +233,8 @@ class DraftModelDrafter(Drafter):
                 break
         tokens = torch.stack(drafts)
         self._drafted = tokens.tolist()
-        return Proposal(tokens, torch.stack(probs) if probs else None)
+        return Proposal(tokens, torch.stack(probs) if probs else None,
+                        acceptance=VERIFICATION_RULES[self.config.verification])
 
     def observe(self, feedback: StepFeedback) -> None:
         # keep the positions whose tokens were committed: the root and the leading drafts the

@@ -18,7 +18,7 @@ import torch
 from specwise.engine.node_logits import NodeValues, first_child_path
 from specwise.engine.sampling import SamplingConfig, greedy_tokens, probs_from_scores
 from specwise.engine.tree import DraftTree
-from specwise.engine.verify import greedy_tree_accept, tree_speculative_sample
+from specwise.engine.verify import block_verify, greedy_tree_accept, speculative_sample, tree_speculative_sample
 
 #: ``nodes -> [len(nodes), V]`` the target's processed scores (float32/64) at those tree nodes,
 #: each row processed with its own node's prefix; rows are computed on demand
@@ -68,8 +68,13 @@ class ExactAcceptance(AcceptanceRule):
 
     Both walks read the target at the nodes they visit only; rows are computed a first-child path
     at a time (:class:`specwise.engine.node_logits.NodeValues`), which is where drafters put their
-    most likely tokens.
+    most likely tokens. A plain chain skips the tree machinery: :meth:`sample_chain` is the chain's
+    sampled rule (the verification step's fast path).
     """
+
+    #: ``(draft_tokens [K], target_probs [K+1, V], draft_probs [K, V] | None, generator) ->
+    #: (num_accepted, next_token)``: how a sampled chain is verified
+    sample_chain = staticmethod(speculative_sample)
 
     def accept_tree(self, tree, scores, draft_probs, sibling_rule, sampling, generator):
         tokens = tree.tokens.tolist()
@@ -87,3 +92,35 @@ class ExactAcceptance(AcceptanceRule):
 
 #: the default rule of every proposal
 EXACT = ExactAcceptance()
+
+
+class BlockAcceptance(ExactAcceptance):
+    """Lossless, with sampled chains verified jointly: block verification (Sun et al., ICLR 2025;
+    :func:`specwise.engine.verify.block_verify`).
+
+    It accepts at least as many drafts per step as :data:`EXACT` in expectation, more where the
+    drafts were sampled from a distribution q that differs from the target's; greedy steps, delta
+    (deterministic) chains in expectation, and trees with more than one branch (walked as
+    :data:`EXACT` walks them) are unchanged. The decision needs the target's distribution at every
+    chain position, so the whole chain's logits are computed up front, as a chain's are anyway.
+    """
+
+    reads_every_node: ClassVar[bool] = True
+    sample_chain = staticmethod(block_verify)
+
+    def accept_tree(self, tree, scores, draft_probs, sibling_rule, sampling, generator):
+        if sampling.is_greedy or any(len(c) > 1 for c in tree.children):
+            return super().accept_tree(tree, scores, draft_probs, sibling_rule, sampling, generator)
+        probs = probs_from_scores(scores(list(range(tree.size))))  # shape: [n, V], node i after node i-1
+        num_accepted, next_token = block_verify(tree.tokens[1:], probs, draft_probs, generator)
+        return list(range(1, num_accepted + 1)), next_token
+
+    def __repr__(self) -> str:
+        return "BLOCK"
+
+
+#: block verification of sampled chains (lossless); trees as :data:`EXACT`
+BLOCK = BlockAcceptance()
+
+#: the rules a drafter option can name (``verification=``)
+VERIFICATION_RULES = {"token": EXACT, "block": BLOCK}

@@ -2,7 +2,7 @@
 
 :func:`verify_proposal` is all the loop calls. It knows two shapes of proposal, not methods:
 
-- a plain chain (no parents, nothing riding along, the exact rule) takes the fast path: one causal
+- a plain chain (no parents, nothing riding along, an exact rule) takes the fast path: one causal
   forward, :func:`verify_chain`, a cache rollback;
 - anything else is a tree (a chain with auxiliary tokens or another acceptance rule is a one-branch
   tree): one forward with a 4-D mask over the pruned tree plus the proposal's auxiliary tokens,
@@ -33,7 +33,7 @@ from specwise.engine.sampling import (
 from specwise.engine.target import AttentionLayout
 from specwise.engine.tree import DraftTree
 from specwise.engine.types import AuxiliaryTokens, Proposal
-from specwise.engine.verify import greedy_accept, speculative_sample
+from specwise.engine.verify import greedy_accept
 
 
 def verify_chain(
@@ -43,6 +43,7 @@ def verify_chain(
     context_ids: torch.Tensor,
     sampling: SamplingConfig,
     generator: torch.Generator | None,
+    acceptance: ExactAcceptance = EXACT,
 ) -> tuple[int, int]:
     """Process the target's logits for a chain and decide how many drafts to accept.
 
@@ -52,8 +53,10 @@ def verify_chain(
         draft_probs: ``[K, V]`` or ``None`` (deterministic proposal).
         context_ids: ``[T+1]`` long, committed tokens ending with the root (for history-dependent
             processing such as the repetition penalty).
-        sampling: the sampling options; greedy uses exact matching, otherwise speculative sampling.
+        sampling: the sampling options; greedy uses exact matching, otherwise the rule's sampled
+            chain verification (token-wise speculative sampling, or block verification).
         generator: RNG for sampling.
+        acceptance: the exact rule whose :attr:`~ExactAcceptance.sample_chain` verifies a sampled chain.
 
     Returns:
         ``(num_accepted, next_token)``.
@@ -69,7 +72,7 @@ def verify_chain(
             num_accepted, next_token = greedy_accept(draft_tokens, greedy_tokens(scores))
         else:
             probs = probs_from_scores(process_logits(logits, sampling, seen))
-            num_accepted, next_token = speculative_sample(draft_tokens, probs, draft_probs, generator)
+            num_accepted, next_token = acceptance.sample_chain(draft_tokens, probs, draft_probs, generator)
     except NonFiniteDistributionError:
         next_token = -1
     if next_token < 0:  # a non-finite row was reached
@@ -176,8 +179,8 @@ def verify_proposal(target, cache: KVCache, context: torch.Tensor, proposal: Pro
 
 
 def _is_plain_chain(proposal: Proposal) -> bool:
-    """A chain with nothing riding along, walked by the exact rule."""
-    return proposal.parents is None and proposal.auxiliary is None and type(proposal.acceptance) is ExactAcceptance
+    """A chain with nothing riding along, walked by an exact rule (token-wise or block)."""
+    return proposal.parents is None and proposal.auxiliary is None and isinstance(proposal.acceptance, ExactAcceptance)
 
 
 def _verify_plain_chain(target, cache, context, proposal, budget, sampling, generator, hidden_layers) -> VerifiedStep:
@@ -188,7 +191,8 @@ def _verify_plain_chain(target, cache, context, proposal, budget, sampling, gene
     probs = None if proposal.draft_probs is None else proposal.draft_probs[:k]
     result = target.forward(torch.cat([context[-1:], drafts]) if k else context[-1:], cache,
                             num_logits=k + 1, hidden_layers=hidden_layers)
-    num_accepted, next_token = verify_chain(result.logits, drafts, probs, context, sampling, generator)
+    num_accepted, next_token = verify_chain(result.logits, drafts, probs, context, sampling, generator,
+                                            proposal.acceptance)
     cache.rollback(start + num_accepted + 1)
     return VerifiedStep(
         accepted=drafts[:num_accepted].tolist(),

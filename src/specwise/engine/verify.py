@@ -200,3 +200,58 @@ def tree_speculative_sample(
             return path, sample_token(residual, generator)
         path.append(accepted)
         node = accepted
+
+
+def block_verify(
+    draft_tokens: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
+    """Lossless chain verification of the whole draft block jointly (block verification: Sun et
+    al., ICLR 2025, arXiv 2403.10444, Algorithm 2).
+
+    Token-wise speculative sampling (:func:`speculative_sample`) stops at the first rejected draft.
+    Block verification carries a weight along the chain, ``w_0 = 1``,
+    ``w_i = min(1, w_{i-1} p_i(x_i) / q_i(x_i))``, and keeps the prefix of ``tau`` drafts with
+    probability ``h_tau`` for the largest ``tau`` whose independent uniform falls below
+    ``h_i = r_i / (r_i + 1 - w_i)`` (``r_i = sum_x max(0, w_i p(x | x_<=i) - q(x | x_<=i))``,
+    ``h_K = w_K``); the next token comes from ``norm(max(0, w_tau p - q))`` at that position, or
+    from ``p_K`` when every draft is kept. The emitted block is distributed exactly as ancestral
+    sampling from p, its expected length is never below token-wise verification's (optimal among
+    valid verifiers given only the conditionals), and it equals it for deterministic drafts, where
+    every valid verifier accepts ``x_1..x_i`` with probability at most ``prod p(x_j)``.
+
+    Args:
+        draft_tokens: ``[K]`` long.
+        target_probs: ``[K+1, V]`` processed target probabilities (row ``j`` follows
+            ``draft_tokens[:j]``).
+        draft_probs: ``[K, V]`` the distributions the drafts were sampled from, or ``None`` for
+            deterministic proposals (one-hot q).
+        generator: the RNG for the ``K`` uniforms and the final draw.
+
+    Returns:
+        ``(num_accepted, next_token)``.
+    """
+    k = draft_tokens.numel()
+    if k == 0:
+        return 0, sample_token(target_probs[0], generator)
+    if draft_probs is None:
+        draft_probs = torch.zeros_like(target_probs[:k]).scatter_(1, draft_tokens[:, None], 1.0)
+    rows = torch.arange(k, device=draft_tokens.device)
+    ratios = (target_probs[rows, draft_tokens] / draft_probs[rows, draft_tokens]).tolist()
+    weights = [1.0]  # w_0 .. w_K, float64 on the host: K is small and the recursion is sequential
+    for ratio in ratios:
+        weights.append(min(1.0, weights[-1] * ratio))
+    w = torch.tensor(weights[:k], dtype=target_probs.dtype, device=target_probs.device)
+    residuals = (w[:, None] * target_probs[:k] - draft_probs).clamp_min(0.0)  # shape: [K, V], rows 0..K-1
+    mass = residuals.sum(-1).tolist()
+    stop = [m / (m + 1.0 - wi) if m > _RESIDUAL_EPS else 0.0 for m, wi in zip(mass, weights)]  # h_0 .. h_{K-1}
+    stop.append(weights[k])  # h_K
+    uniforms = torch.rand(k, generator=generator, dtype=torch.float64).tolist()  # for h_1 .. h_K
+    tau = next((i for i in range(k, 0, -1) if uniforms[i - 1] < stop[i]), 0)
+    if tau == k:
+        return k, sample_token(target_probs[k], generator)
+    if mass[tau] <= _RESIDUAL_EPS:  # only at tau = 0 with p == q there: any choice is exact
+        return tau, sample_token(target_probs[tau], generator)
+    return tau, sample_token(residuals[tau], generator)
