@@ -21,7 +21,7 @@ from specwise.drafters.medusa import MedusaDrafter, MedusaDrafterConfig
 from specwise.engine.loop import speculative_generate
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.tree import DraftTree, graft_chain
-from specwise.engine.types import DraftContext, Proposal, StepFeedback
+from specwise.engine.types import AuxiliaryTokens, DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError
 from test_dflash import make_dflash
 from test_eagle import make_head
@@ -99,8 +99,19 @@ def test_graft_edge_cases():
     assert _graft(tree, [1, 2, 3, 4, 5], lookup_tokens=3, lookup_min_ngram=1) is tree
     chain = _graft(Proposal.empty(), ids, lookup_tokens=3)
     assert chain.tokens.tolist() == [4, 9, 2] and chain.parents.tolist() == [0, 1, 2]
-    with pytest.raises(ValueError, match="delta"):
-        _graft(Proposal(torch.tensor([4]), draft_probs=torch.ones(1, 10) / 10), ids, lookup_tokens=3)
+    # onto sampled drafts: the lookup's new nodes are one-hot rows, tried after the drawn siblings
+    sampled = _graft(Proposal(torch.tensor([4]), draft_probs=torch.ones(1, 10) / 10), ids, lookup_tokens=3)
+    assert sampled.tokens.tolist() == [4, 9, 2] and sampled.parents.tolist() == [0, 1, 2]
+    assert sampled.sibling_rule == "without_replacement"
+    torch.testing.assert_close(sampled.draft_probs[1:], torch.eye(10)[[9, 2]])
+    siblings = Proposal(torch.tensor([8, 5]), draft_probs=torch.ones(2, 10) / 10, parents=torch.tensor([0, 0]),
+                        sibling_rule="without_replacement")
+    grafted = _graft(siblings, ids, lookup_tokens=3)
+    assert grafted.tokens.tolist() == [8, 5, 4, 9, 2] and grafted.parents.tolist() == [0, 0, 0, 3, 4]
+    with pytest.raises(ValueError, match="auxiliary"):
+        _graft(Proposal(torch.tensor([4]), auxiliary=AuxiliaryTokens(torch.tensor([1]), torch.tensor([1]),
+                                                                     torch.ones(1, 1, dtype=torch.bool),
+                                                                     torch.tensor([0]))), ids, lookup_tokens=3)
 
 
 def test_lookup_length_follows_the_geometric_model():

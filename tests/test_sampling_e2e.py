@@ -64,7 +64,7 @@ def _draft_lm(target):
                              draft_model=model.eval().requires_grad_(False))
 
 
-def _eagle(target, min_path_prob: float = 0.0, lookup_tokens: int = 0):
+def _eagle(target, min_path_prob: float = 0.0, lookup_tokens: int = 0, draft_sampling: str = "deterministic"):
     """An EAGLE head over a reduced vocabulary (6 of 8 tokens) drafting a dynamic tree with siblings
     (pruned per step below ``min_path_prob``, and the context lookup grafted on with ``lookup_tokens``)."""
     from specwise.drafters.eagle import EagleDrafter, EagleDrafterConfig
@@ -74,11 +74,12 @@ def _eagle(target, min_path_prob: float = 0.0, lookup_tokens: int = 0):
     config = EagleConfig(feature_layers=(0, 2), draft_vocab_size=6, num_heads=2, head_dim=8, intermediate_size=16)
     head = EagleHead(target, config, torch.tensor([4, 3, 5, 6, 0, 2])).double()
     config = EagleDrafterConfig(depth=2, tree_top_k=2, total_tokens=4, min_path_prob=min_path_prob,
-                                lookup_tokens=lookup_tokens, lookup_min_ngram=1)
+                                lookup_tokens=lookup_tokens, lookup_min_ngram=1, draft_sampling=draft_sampling)
     return EagleDrafter(target, config, head=head.eval().requires_grad_(False))
 
 
-def _medusa(target, acceptance: str = "exact", min_path_prob: float = 0.0):
+def _medusa(target, acceptance: str = "exact", min_path_prob: float = 0.0, draft_sampling: str = "deterministic",
+            lookup_tokens: int = 0):
     """Medusa heads over a reduced vocabulary (6 of 8 tokens), a static tree of 2 heads x top-2
     (pruned per step below ``min_path_prob``)."""
     from specwise.drafters.medusa import MedusaDrafter, MedusaDrafterConfig, MedusaTree
@@ -92,7 +93,8 @@ def _medusa(target, acceptance: str = "exact", min_path_prob: float = 0.0):
     tree = MedusaTree(((0,), (1,), (0, 0), (0, 1), (1, 0)), 5)
     # thresholds so low that the typical rule accepts nearly every drafted node
     config = MedusaDrafterConfig(acceptance=acceptance, posterior_threshold=0.01, posterior_alpha=0.01,
-                                 min_path_prob=min_path_prob, lookup_tokens=0)
+                                 min_path_prob=min_path_prob, lookup_tokens=lookup_tokens, lookup_min_ngram=1,
+                                 draft_sampling=draft_sampling)
     return MedusaDrafter(target, config, heads=heads.eval().requires_grad_(False), tree=tree)
 
 
@@ -136,6 +138,18 @@ CONFIGS = {
                           dict(temperature=0.9)),
     "dflash-lookup-topk-penalty": (lambda target: _dflash(target, lookup_tokens=2), 3,
                                    dict(temperature=1.0, top_k=5, repetition_penalty=1.3)),
+    # siblings sampled without replacement from the drafter's tempered q (draft_sampling="sampled"),
+    # with a dynamic budget, and with the context lookup's delta nodes grafted after the drawn ones
+    "eagle-sampled-dynamic-t0.9": (lambda target: _eagle(target, min_path_prob=DYNAMIC["eagle"],
+                                                         draft_sampling="sampled"), 3, dict(temperature=0.9)),
+    "eagle-sampled-lookup-topk-topp-penalty": (
+        lambda target: _eagle(target, lookup_tokens=2, draft_sampling="sampled"), 4,
+        dict(temperature=1.0, top_k=5, top_p=0.9, repetition_penalty=1.3)),
+    "medusa-sampled-dynamic-t0.9": (lambda target: _medusa(target, min_path_prob=DYNAMIC["medusa"],
+                                                           draft_sampling="sampled"), 3, dict(temperature=0.9)),
+    "medusa-sampled-lookup-topk-topp-penalty": (
+        lambda target: _medusa(target, draft_sampling="sampled", lookup_tokens=2), 3,
+        dict(temperature=1.0, top_k=5, top_p=0.9, repetition_penalty=1.3)),
     "draft-lm-reduced-vocab-t0.9": (_draft_lm, 3, dict(temperature=0.9)),
     "draft-lm-reduced-vocab-topk-penalty": (_draft_lm, 3, dict(temperature=1.0, top_k=5, repetition_penalty=1.3)),
     # name: (drafter factory or method name, max_new_tokens, sampling options)
@@ -150,8 +164,8 @@ CONFIGS = {
     "pld-t0.8-topk": ("pld", 3, dict(temperature=0.8, top_k=6)),
     "uniform-q-topp": (lambda target: RandomDrafter(V, 2, seed=0, with_probs=True), 3,
                        dict(temperature=1.2, top_p=0.8)),
-    # Predicted Outputs: the prediction's copy alone (ar), grafted onto pld's chain, and verified
-    # instead of a sampled draft model's chain (which carries draft probabilities)
+    # Predicted Outputs: the prediction's copy alone (ar), grafted onto pld's chain, and grafted
+    # onto a sampled draft model's chain (which carries draft probabilities: the copy's nodes as one-hot rows)
     "ar-prediction-t0.9": ("ar", 3, dict(temperature=0.9, prediction=[3, 4, 5, 3, 4, 6, 3, 4, 6])),
     "pld-prediction-topk-penalty": ("pld", 3, dict(temperature=1.0, top_k=5, repetition_penalty=1.3,
                                                    prediction=[4, 6, 3, 5, 5, 3, 4])),

@@ -37,6 +37,7 @@ from specwise.training.features import (
     token_frequencies,
     vocabulary_coverage,
 )
+from specwise.training.losses import DistillLoss
 from specwise.training.options import TrainOptions, make_options
 from specwise.training.recipes import RECIPES, get_recipe, recipe_names
 from specwise.training.recipes.base import RecipeRegistry
@@ -207,6 +208,21 @@ def test_trainer_lowers_the_loss(corpus, tmp_path):
     assert {"mean_accepted_length", "acceptance_by_position", "top1_agreement"} <= set(result.validation)
     log = (tmp_path / "train_log.jsonl").read_text().splitlines()
     assert json.loads(log[-1])["final_validation"] == result.validation
+
+
+def test_recipe_loss_follows_its_distill_option(corpus):
+    """The TV term reaches the recipe's loss: a mix is the mix of the two losses (tests/test_losses.py
+    checks the term itself and that training with it lowers held-out TV)."""
+    _, out, vocab = corpus
+    model, losses = _model(corpus), {}
+    for weight in (0.0, 0.5, 1.0):
+        config = DraftRecipeConfig(batch_tokens=64, max_length=16, validation_every=4,
+                                   distill=DistillLoss(tv_weight=weight, tv_temperatures=(0.7, 1.0)))
+        recipe = DraftLMRecipe(out, vocab, config)
+        with torch.no_grad():
+            losses[weight] = float(recipe.loss(model, recipe.batches(0, 0)[0])[0])
+    assert 0.0 < losses[1.0] <= 1.0 < losses[0.0]  # a mean TV, a cross-entropy over 96 tokens
+    assert losses[0.5] == pytest.approx((losses[0.0] + losses[1.0]) / 2, rel=1e-5)
 
 
 def test_trainer_resumes_exactly(corpus, tmp_path):
@@ -549,7 +565,7 @@ _FLAG_DEFAULTS = {
                "dflash_layers": 2, "max_length": 1024, "loss_on": "all", "feature_layers": None, "arch": "specwise"},
 }
 _COMMON_DEFAULTS = {"steps": None, "grad_accum": 1, "top_k": 8, "validate_every": 100, "seed": 0, "init_from": None,
-                    "precision": "auto"}
+                    "precision": "auto", "tv_weight": 0.0, "tv_temperatures": (0.7,)}
 
 
 @pytest.mark.parametrize("method", sorted(_FLAG_DEFAULTS))
@@ -585,6 +601,11 @@ def test_recipe_options_are_validated():
             get_recipe(method).options_cls(arch="vllm")
     with pytest.raises(ConfigError, match="precision"):
         get_recipe("medusa").options_cls(precision="fp16")
+    for method in recipe_names():
+        with pytest.raises(ConfigError, match="tv_weight"):
+            get_recipe(method).options_cls(tv_weight=2.0)
+    assert get_recipe("dflash").options_cls(tv_weight=0.5, tv_temperatures=(0.7, 1.0)).distill_loss() == \
+        DistillLoss(0.5, (0.7, 1.0))
     with pytest.raises(ConfigError, match="no training option colour"):
         make_options(get_recipe("medusa").options_cls, {"colour": 1})
 
@@ -603,6 +624,9 @@ def test_train_flags_are_generated_from_the_options_with_option_key_value():
     assert options.ttt_steps == 3 and options.minutes == 45.0  # untouched fields keep their defaults
     draft = options_from_args(get_recipe("draft").options_cls, _parse_train("draft", "--init-layers=-1"))
     assert draft.init_layers == (-1,)
+    medusa = options_from_args(get_recipe("medusa").options_cls,
+                               _parse_train("medusa", "--tv-weight", "0.5", "--tv-temperatures", "0.7,1.0"))
+    assert medusa.distill_loss() == DistillLoss(0.5, (0.7, 1.0))
     with pytest.raises(ConfigError, match="given twice"):
         options_from_args(get_recipe("eagle").options_cls, _parse_train("eagle", "--lr", "1e-3", "--option", "lr=2e-3"))
     with pytest.raises(ConfigError, match="no training option"):

@@ -46,6 +46,12 @@ from specwise.drafters.base import (
     warn_renamed,
 )
 from specwise.drafters.checkpoint import load_vocabulary_module
+from specwise.drafters.sampled_tree import (
+    check_draft_sampling,
+    draw_without_replacement,
+    on_full_vocabulary,
+    proposal_log_probs,
+)
 from specwise.drafters.trained import (
     DrafterModule,
     TrainedDrafter,
@@ -81,6 +87,11 @@ class EagleDrafterConfig(TrainedDrafterConfig):
     # while the lookup's estimated per-token acceptance reaches this, the head drafts one level only;
     # None = off. 0.9 and 0.8 measured within noise of off (see docs/benchmarks/lookup-graft-trust-greedy-report.md)
     lookup_trust: float | None = None
+    # when sampling: the dynamic tree of top-k siblings ("deterministic"), or a tree whose siblings are
+    # drawn without replacement from the head's tempered distribution ("sampled": each level draws
+    # total_tokens // depth children, at most tree_top_k, of the best node of the level above); greedy:
+    # the dynamic tree
+    draft_sampling: str = "deterministic"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -93,6 +104,7 @@ class EagleDrafterConfig(TrainedDrafterConfig):
             object.__setattr__(self, "lookup_trust", None)
         if self.lookup_trust is not None:
             check_probability("lookup_trust", self.lookup_trust, zero=False)
+        check_draft_sampling(self.draft_sampling)
 
 
 def load_eagle_head(path, target) -> EagleHead:
@@ -136,6 +148,7 @@ class EagleDrafter(TrainedDrafter):
             raise ConfigError(f"tree_top_k ({config.tree_top_k}) exceeds the head's draft vocabulary "
                               f"({head.config.draft_vocab_size} tokens).")
         self.head = head
+        self.vocab_size = target.vocab_size
         self.target_hidden_layers = tuple(head.config.feature_layers)
         self.setup_lookup(target, head.origin)
 
@@ -180,7 +193,58 @@ class EagleDrafter(TrainedDrafter):
         # a trusted lookup leaves the head one level: its depth-1 alternatives, for when the copy breaks
         trust = self.config.lookup_trust
         trusted = lookup is not None and trust is not None and self.lookup.acceptance >= trust
-        return self._draft_tree(ctx, 1 if trusted else self.config.depth)
+        depth = 1 if trusted else self.config.depth
+        if self.config.draft_sampling == "sampled" and not ctx.sampling.is_greedy:
+            return self._sampled_tree(ctx, depth)
+        return self._draft_tree(ctx, depth)
+
+    @torch.inference_mode()
+    def _sampled_tree(self, ctx: DraftContext, depth: int) -> Proposal:
+        """A tree of sampled siblings (:mod:`specwise.drafters.sampled_tree`): each level draws
+        ``total_tokens // depth`` children (at most ``tree_top_k``) of one node without replacement
+        from the head's tempered q, and the child with the best cumulative score (log-probability at
+        temperature 1, as the dynamic tree scores) is expanded next. Expansion stops before a level
+        whose parent scores below ``min_path_prob``; every drawn node is verified."""
+        head, cfg = self.head, self.config
+        h = self._catch_up()  # shape: [H], the root's output
+        depth = min(depth, ctx.max_draft_tokens)
+        device = ctx.token_ids.device
+        if depth <= 0:
+            return Proposal.empty(device)
+        width = max(1, min(cfg.tree_top_k, cfg.total_tokens // depth))
+        cache = self.cache
+        base = cache.length
+        begin = max(0, base - head.config.attention_window)
+        cache.reserve(depth - 1)  # one scratch row per expanded node
+        min_score = log_threshold(cfg.min_path_prob)
+        index, parents, rows = [], [], []  # per draft node: draft-vocabulary index, parent node, q row
+        parent, parent_score = 0, 0.0
+        for level in range(depth):
+            logits = head.logits(h).float()  # shape: [Vd]
+            log_q = proposal_log_probs(logits[None], ctx.sampling)  # shape: [1, Vd]
+            count = min(width, int(torch.isfinite(log_q).sum()))
+            draws = draw_without_replacement(log_q, count, ctx.generator)[0]  # shape: [count]
+            first = len(index) + 1  # node index of the first child
+            index.append(draws)
+            parents += [parent] * count
+            rows += [log_q] * count
+            scores = parent_score + torch.log_softmax(logits, dim=-1).clamp_max(0.0)[draws]
+            best = int(scores.argmax())
+            if level == depth - 1 or float(scores[best]) < min_score:
+                break
+            # the expanded child's entry goes to scratch row base + level (never committed)
+            token = head.vocab[draws[best: best + 1]]
+            positions = torch.full((1,), base + level, device=device)
+            q, new_k, new_v = head.project(h[None], head.embed(token), positions)
+            cache.keys[base + level: base + level + 1] = new_k
+            cache.values[base + level: base + level + 1] = new_v
+            end = base + level + 1
+            allowed = torch.ones(1, end - begin, dtype=torch.bool, device=device)  # committed + its ancestors
+            h = head.finish(h[None], head.attend(q, cache.keys[begin:end], cache.values[begin:end], allowed))[0]
+            parent, parent_score = first + best, float(scores[best])
+        q = on_full_vocabulary(torch.cat(rows).exp(), head.vocab, self.vocab_size)  # shape: [N, V]
+        return Proposal(head.vocab[torch.cat(index)], draft_probs=q, sibling_rule="without_replacement",
+                        parents=torch.tensor(parents, dtype=torch.long, device=device))
 
     @torch.inference_mode()
     def _draft_tree(self, ctx: DraftContext, depth: int) -> Proposal:

@@ -123,26 +123,37 @@ class LookupGraft:
         """Add this step's lookup to a drafter's proposal.
 
         Args:
-            proposal: a chain or tree of delta proposals (``draft_probs`` is ``None``).
+            proposal: a chain or tree, of delta proposals or of sampled drafts (with ``draft_probs``).
             chain: ``[L]`` long, the lookup from :meth:`lookup`, or ``None``.
 
         Returns:
             ``proposal`` itself when there is no lookup or the tree already holds it; otherwise a
             tree proposal whose first nodes are ``proposal``'s (same order) and whose new nodes
-            hold the lookup's tokens.
+            hold the lookup's tokens. Onto sampled drafts the new nodes go as deterministic
+            proposals (one-hot rows of ``draft_probs``), each tried after its parent's drawn
+            children, which the merge keeps distinct from it: the verification stays exact
+            (rule ``"without_replacement"``; a sampled chain's nodes are each their parent's
+            only drawn child).
 
         Raises:
-            ValueError: ``proposal`` carries draft probabilities or auxiliary tokens (only delta
-                proposals can be merged exactly).
+            ValueError: ``proposal`` carries auxiliary tokens (they cannot be merged).
         """
         if chain is None:
             return proposal
-        if proposal.draft_probs is not None or proposal.auxiliary is not None:
-            raise ValueError("a lookup can only be grafted onto delta proposals without auxiliary tokens")
+        if proposal.auxiliary is not None:
+            raise ValueError("a lookup cannot be grafted onto a proposal with auxiliary tokens")
         tokens, parents = graft_chain(proposal.tokens, proposal.parents, chain)
-        if tokens.numel() == proposal.tokens.numel():
+        k = proposal.tokens.numel()
+        if tokens.numel() == k:
             return proposal  # the tree already held the whole continuation
-        return Proposal(tokens, parents=parents, acceptance=proposal.acceptance)
+        if proposal.draft_probs is None:
+            return Proposal(tokens, parents=parents, acceptance=proposal.acceptance)
+        added = tokens[k:]
+        one_hot = proposal.draft_probs.new_zeros(added.numel(), proposal.draft_probs.shape[-1])
+        one_hot[torch.arange(added.numel(), device=added.device), added] = 1.0
+        rule = "without_replacement" if proposal.sibling_rule == "delta" else proposal.sibling_rule
+        return Proposal(tokens, draft_probs=torch.cat([proposal.draft_probs, one_hot]), parents=parents,
+                        sibling_rule=rule, acceptance=proposal.acceptance)
 
     def observe(self, feedback: StepFeedback) -> None:
         """Count how much of this step's lookup the target accepted (its leading tokens that

@@ -30,6 +30,13 @@ import torch
 
 from specwise.drafters.base import check_int, check_probability, check_probability_threshold, register_drafter
 from specwise.drafters.checkpoint import load_vocabulary_module
+from specwise.drafters.sampled_tree import (
+    check_draft_sampling,
+    draw_without_replacement,
+    on_full_vocabulary,
+    proposal_log_probs,
+    sibling_ranks,
+)
 from specwise.drafters.trained import (
     DrafterModule,
     TrainedDrafter,
@@ -62,6 +69,9 @@ class MedusaDrafterConfig(TrainedDrafterConfig):
     # with the shipped heads' 12-node tree, slightly faster than 2 fixed nodes, paired per prompt (see
     # docs/benchmarks/dynamic-budget-confirm-report.md, dynamic-budget-greedy-report.md, dynamic-budget-t0.7-report.md)
     min_path_prob: float = 0.15  # verify only nodes whose path probability under the heads reaches this
+    # when sampling: the tree's tokens are the heads' top ranks ("deterministic") or drawn without
+    # replacement from each head's tempered distribution ("sampled"; same tree shape); greedy: top ranks
+    draft_sampling: str = "deterministic"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -73,6 +83,10 @@ class MedusaDrafterConfig(TrainedDrafterConfig):
                 or not self.posterior_alpha > 0:
             raise ConfigError(f"posterior_alpha must be a number > 0, got {self.posterior_alpha!r}.")
         check_probability_threshold("min_path_prob", self.min_path_prob)
+        check_draft_sampling(self.draft_sampling)
+        if self.draft_sampling == "sampled" and self.acceptance != "exact":
+            raise ConfigError("draft_sampling='sampled' needs acceptance='exact' (the typical rule ignores how "
+                              "the drafts were drawn).")
 
 
 @dataclass(frozen=True)
@@ -149,6 +163,7 @@ class MedusaDrafter(TrainedDrafter):
         if int(depths.max()) > heads.config.num_heads:
             raise ConfigError(f"the tree is {int(depths.max())} deep but there are {heads.config.num_heads} heads.")
         self.heads = heads
+        self.vocab_size = target.vocab_size
         device = target.device
         self._depths, self._ranks, self._parents = depths.to(device), ranks.to(device), parents.to(device)
         # _ancestors[i, j]: draft node j is draft node i or one of its ancestors
@@ -182,7 +197,10 @@ class MedusaDrafter(TrainedDrafter):
         logits = self.heads(self._hidden, heads=self._used_heads)  # shape: [K', Vd]
         top_logits, top = logits.topk(self._top, dim=-1)  # shape: [K', R]
         tokens = self.heads.vocab[top[self._depths - 1, self._ranks]]  # shape: [N]
+        sampled = self.config.draft_sampling == "sampled" and not ctx.sampling.is_greedy
         if self.config.min_path_prob <= 0:
+            if sampled:
+                return self._sampled(ctx, logits, self._depths, self._parents)
             return Proposal(tokens, parents=self._parents, acceptance=self._acceptance)
         # each node's log-probability under its head, summed down the (topologically ordered) tree
         node_logp = (top_logits.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True))[
@@ -192,4 +210,40 @@ class MedusaDrafter(TrainedDrafter):
                                           log_threshold(self.config.min_path_prob))
         if chosen.numel() == 0:
             return Proposal.empty(tokens.device)
+        if sampled:
+            return self._sampled(ctx, logits, self._depths[chosen], parents)
         return Proposal(tokens[chosen], parents=parents, acceptance=self._acceptance)
+
+    def _sampled(self, ctx: DraftContext, logits: torch.Tensor, depths: torch.Tensor,
+                 parents: torch.Tensor) -> Proposal:
+        """The same tree shape with each node's siblings drawn without replacement from its head's
+        tempered distribution (:mod:`specwise.drafters.sampled_tree`).
+
+        The shape was chosen from the heads' top ranks, before any draw; a node whose rank exceeds
+        the tokens its head's q keeps (top-k / top-p) is dropped with its subtree, also before.
+
+        Args:
+            logits: ``[K', Vd]`` the heads' logits.
+            depths: ``[N]`` each node's depth (head ``depth - 1`` drafts it).
+            parents: ``[N]`` each node's parent node index (0 = the root).
+        """
+        log_q = proposal_log_probs(logits, ctx.sampling)  # shape: [K', Vd]
+        support = torch.isfinite(log_q).sum(-1).tolist()
+        heads, node_of, kept_parents = [], {0: 0}, []
+        for node, (depth, parent) in enumerate(zip(depths.tolist(), parents.tolist()), 1):
+            if parent in node_of and sum(p == node_of[parent] for p in kept_parents) < support[depth - 1]:
+                kept_parents.append(node_of[parent])
+                heads.append(depth - 1)
+                node_of[node] = len(kept_parents)
+        ranks = sibling_ranks(kept_parents)
+        slots = {p: i for i, p in enumerate(dict.fromkeys(kept_parents))}  # parent node -> row of draws
+        rows = [0] * len(slots)
+        for parent, head in zip(kept_parents, heads):
+            rows[slots[parent]] = head
+        draws = draw_without_replacement(log_q[rows], max(ranks) + 1, ctx.generator)  # shape: [P, m]
+        index = draws[[slots[p] for p in kept_parents], ranks]  # shape: [N'] draft-vocabulary indices
+        q = on_full_vocabulary(log_q.exp(), self.heads.vocab, self.vocab_size)  # shape: [K', V]
+        device = ctx.token_ids.device
+        return Proposal(self.heads.vocab[index], draft_probs=q[heads], sibling_rule="without_replacement",
+                        parents=torch.tensor(kept_parents, dtype=torch.long, device=device),
+                        acceptance=self._acceptance)

@@ -7,14 +7,13 @@ tokens that followed them there are drafted. Of several occurrences it takes the
 after the point where the last accepted copy ended, so the copy walks through the prediction in
 order and re-synchronizes a few tokens after an edit.
 
-:class:`PredictionDrafter` wraps the request's own drafter. A deterministic proposal without
-auxiliary tokens gets the copy grafted on as one more path from the root
-(:func:`specwise.engine.tree.graft_chain`), verified in the same forward; any other proposal (a
-sampled draft model's chain, Lookahead's window) cannot be merged exactly, so a step that has a copy
-verifies the copy alone and the inner drafter is only asked when there is none. How many copied
-tokens are verified adapts as the context lookup's graft does
-(:class:`specwise.drafters.lookup_graft.LookupGraft`). Every added node is a delta proposal, so the
-output stays exactly the target's, greedy or sampled.
+:class:`PredictionDrafter` wraps the request's own drafter. A proposal without auxiliary tokens
+(deterministic, or sampled: a draft model's chain, sampled siblings) gets the copy grafted on as one
+more path from the root (:func:`specwise.engine.tree.graft_chain`), verified in the same forward; one
+with auxiliary tokens (Lookahead's window) cannot be merged, so a step that has a copy verifies the
+copy alone. How many copied tokens are verified adapts as the context lookup's graft does
+(:class:`specwise.drafters.lookup_graft.LookupGraft`). Every added node is a delta proposal tried
+after the drawn ones, so the output stays exactly the target's, greedy or sampled.
 """
 
 from __future__ import annotations
@@ -152,8 +151,8 @@ class PredictionDrafter(Drafter):
         proposal = self.inner.propose(ctx)
         if chain is None:
             return proposal
-        if proposal.draft_probs is not None or proposal.auxiliary is not None:
-            return Proposal(chain)  # not mergeable exactly: this step verifies the copy alone
+        if proposal.auxiliary is not None:
+            return Proposal(chain)  # not mergeable: this step verifies the copy alone
         return self.copy.graft(proposal, chain)
 
     def observe(self, feedback: StepFeedback) -> None:

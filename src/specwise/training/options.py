@@ -17,6 +17,7 @@ from typing import Any
 
 from specwise.errors import ConfigError
 from specwise.training.features import FeatureConfig
+from specwise.training.losses import DistillLoss
 from specwise.training.precision import PRECISIONS
 
 #: the positions that can carry a loss: every position, or those predicting a token the target wrote
@@ -102,6 +103,10 @@ class TrainOptions:
     init_from: str | None = option(None, "start from the weights of this trained drafter (same method, architecture "
                                          "and corpus vocabulary); the optimizer and schedule start afresh",
                                    metavar="DIR")
+    tv_weight: float = option(0.0, "weight in [0, 1] of the total-variation term mixed into the cross-entropy "
+                                   "(acceptance at temperature T is 1 - TV(p_T, q_T)); 0 = cross-entropy only")
+    tv_temperatures: tuple[float, ...] = option((0.7,), "temperatures the TV term averages over, e.g. 0.7,1.0",
+                                                metavar="T[,T...]")
     precision: str = option("auto", "matmul precision of the drafter's training: bf16 autocast, fp32, or auto "
                                     "(whichever runs a training-sized matmul faster here; fp32 on CPUs without "
                                     "fast bf16 units)", choices=PRECISIONS)
@@ -117,6 +122,15 @@ class TrainOptions:
         check_int("seed", self.seed)
         check_choice("loss_on", self.loss_on, LOSS_ON)
         check_choice("precision", self.precision, PRECISIONS)
+        self.distill_loss()  # checks tv_weight and tv_temperatures
+
+    def distill_loss(self) -> DistillLoss:
+        """The per-position loss these options ask for.
+
+        Raises:
+            ConfigError: ``tv_weight`` outside [0, 1] or a temperature out of range.
+        """
+        return DistillLoss(self.tv_weight, tuple(self.tv_temperatures))
 
 
 def _value_type(hint: Any) -> Any:
@@ -131,7 +145,7 @@ def parse_value(cls: type, name: str, text: str) -> Any:
     """Field ``name`` of the options dataclass ``cls``, converted from its text form.
 
     Integers, floats and strings as written; ``tuple[int, ...]`` as comma-separated integers
-    (``"2,9,15"``); booleans as ``true`` / ``false``.
+    (``"2,9,15"``; ``tuple[float, ...]`` likewise); booleans as ``true`` / ``false``.
 
     Raises:
         ConfigError: the text does not convert to the field's type.
@@ -139,7 +153,8 @@ def parse_value(cls: type, name: str, text: str) -> Any:
     kind = _value_type(typing.get_type_hints(cls)[name])
     try:
         if typing.get_origin(kind) is tuple:
-            return tuple(int(part) for part in text.split(",") if part.strip())
+            element = typing.get_args(kind)[0]
+            return tuple(element(part) for part in text.split(",") if part.strip())
         if kind is bool:
             if text.lower() not in ("true", "false"):
                 raise ValueError(text)

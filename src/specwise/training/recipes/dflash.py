@@ -127,8 +127,7 @@ class DFlashRecipe(TappedRecipe):
                 mask[row, b, :last] = 1
         logits = model(feats.to(device), tokens.to(device), anchors.to(device))  # shape: [Bt, N, B-1, Vd]
         log_q = torch.log_softmax(logits.float(), dim=-1)
-        picked = log_q.gather(-1, top_index.to(device))  # shape: [Bt, N, B-1, k]
-        per_entry = -(top_probs.to(device) * picked).sum(-1)  # shape: [Bt, N, B-1]
+        per_entry = self.config.distill.per_position(log_q, top_index.to(device), top_probs.to(device))  # shape: [Bt, N, B-1]
         weights = torch.exp(-torch.arange(size - 1, dtype=torch.float32) / self.config.decay_gamma).to(device)
         weighted = mask.to(device) * weights
         return (per_entry * weighted).sum() / weighted.sum().clamp_min(1e-9), sum(length for _, _, length in group)
@@ -207,7 +206,8 @@ def train_dflash(job: TrainingJob, options: DFlashOptions) -> Path:
 
     layers, features = tapped_features(job, options)
     data = DFlashRecipeConfig(batch_tokens=options.batch_tokens, max_length=options.max_length,
-                              block_size=options.block_size, loss_on=options.loss_on)
+                              block_size=options.block_size, loss_on=options.loss_on,
+                              distill=options.distill_loss())
     recipe = DFlashRecipe(job.corpus, features.vocab, layers, data, features.directory)
     job.say(f"{describe_data(recipe, layers)}, block {options.block_size}")
     variant = ({"tap_norms": False, "mask_token_id": mask_token(job.target), "raw_embeddings": True, "window": None,

@@ -29,6 +29,7 @@ from specwise.errors import ConfigError
 from specwise.models.draft_lm import DraftLM, DraftLMConfig
 from specwise.training.acceptance import ChainAcceptance, replay_chain
 from specwise.training.features import iter_labelled
+from specwise.training.losses import DistillLoss
 from specwise.training.options import LOSS_ON, TrainOptions, check_int, default_of, option, redefault
 from specwise.training.pipeline import TrainingJob, TrainingPlan, featurize, train_and_save
 from specwise.training.recipes.base import register_recipe
@@ -47,6 +48,7 @@ class DraftRecipeConfig:
     # positions with a loss: "all", or "generated": those whose predicted token the target wrote (prompts
     # are then context only, and windows of prompt text alone are dropped)
     loss_on: str = "all"
+    distill: DistillLoss = DistillLoss()  # the per-position loss (cross-entropy, optionally mixed with TV)
 
     def __post_init__(self) -> None:
         if self.loss_on not in LOSS_ON:
@@ -150,8 +152,7 @@ class DraftLMRecipe(Recipe):
                 mask[row, : max(0, ex.prompt_length - start - 1)] = 0
         logits = model(ids.to(device))  # shape: [B, T, Vd]
         log_q = torch.log_softmax(logits.float(), dim=-1)
-        picked = log_q.gather(-1, top_index.to(device))  # shape: [B, T, k]
-        per_position = -(top_probs.to(device) * picked).sum(-1)  # shape: [B, T]
+        per_position = self.config.distill.per_position(log_q, top_index.to(device), top_probs.to(device))  # shape: [B, T]
         tokens = int(mask.sum())
         return (per_position * mask.to(device)).sum() / max(tokens, 1), tokens
 
@@ -200,7 +201,7 @@ def train_draft(job: TrainingJob, options: DraftOptions) -> Path:
     """Distil a draft LM (:class:`DraftLMRecipe`) and write its checkpoint to ``job.out``."""
 
     features = featurize(job, options.top_k, options.draft_vocab_size)
-    data = DraftRecipeConfig(batch_tokens=options.batch_tokens, loss_on=options.loss_on)
+    data = DraftRecipeConfig(batch_tokens=options.batch_tokens, loss_on=options.loss_on, distill=options.distill_loss())
     recipe = DraftLMRecipe(job.corpus, features.vocab, data)
     job.say(f"training on {recipe.train_tokens} tokens ({len(recipe.train_examples)} sequences), "
             f"{len(recipe.validation_examples)} validation sequences")

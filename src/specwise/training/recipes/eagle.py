@@ -113,8 +113,8 @@ class EagleRecipe(TappedRecipe):
         total, weight_sum = 0.0, 0.0
         for j, (logits, mask) in enumerate(zip(outputs, masks)):
             log_q = torch.log_softmax(logits.float(), dim=-1)
-            picked = log_q.gather(-1, top_index[:, j: j + width][mask])  # shape: [M_j, k]
-            per_position = -(top_probs[:, j: j + width][mask] * picked).sum(-1)  # shape: [M_j]
+            per_position = self.config.distill.per_position(  # shape: [M_j]
+                log_q, top_index[:, j: j + width][mask], top_probs[:, j: j + width][mask])
             weight = self.config.step_decay ** j
             total = total + weight * per_position.sum() / max(per_position.numel(), 1)
             weight_sum += weight
@@ -176,7 +176,8 @@ def train_eagle(job: TrainingJob, options: EagleOptions) -> Path:
 
     layers, features = tapped_features(job, options)
     data = EagleRecipeConfig(batch_tokens=options.batch_tokens, max_length=options.max_length,
-                             ttt_steps=options.ttt_steps, loss_on=options.loss_on)
+                             ttt_steps=options.ttt_steps, loss_on=options.loss_on,
+                             distill=options.distill_loss())
     recipe = EagleRecipe(job.corpus, features.vocab, layers, data, features.directory)
     job.say(describe_data(recipe, layers))
     variant = STANDARD_ARCHITECTURE if options.arch == "standard" else {"window": options.max_length}

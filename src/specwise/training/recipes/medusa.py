@@ -30,6 +30,7 @@ from specwise.errors import ConfigError
 from specwise.models.medusa import MedusaConfig, MedusaHeads, final_hidden_layer
 from specwise.training.acceptance import ChainAcceptance, replay_depths
 from specwise.training.features import iter_labelled
+from specwise.training.losses import DistillLoss
 from specwise.training.options import LOSS_ON, TrainOptions, check_int, default_of, option, redefault
 from specwise.training.pipeline import TrainingJob, TrainingPlan, featurize, taps_features_dir, train_and_save
 from specwise.training.recipes.base import register_recipe
@@ -51,6 +52,7 @@ class MedusaRecipeConfig:
     # positions trained on: "all", or "generated": hidden states whose next token the target wrote
     # (decoding's roots); "generated" did no better and overfits the held-in calibration (docs/training.md)
     loss_on: str = "all"
+    distill: DistillLoss = DistillLoss()  # the per-position loss (cross-entropy, optionally mixed with TV)
 
     def __post_init__(self) -> None:
         if self.batch_tokens < 1 or not 0 < self.head_decay <= 1 or self.rank_limit < 1:
@@ -131,8 +133,8 @@ class MedusaRecipe(Recipe):
             later = (batch + j + 1).clamp_max(self.left.numel() - 1)
             mask = (self.left[batch] >= j + 1).to(device=device, dtype=torch.float32)  # shape: [B]
             log_q = torch.log_softmax(logits[j].float(), dim=-1)
-            picked = log_q.gather(-1, self.top_index[later].long().to(device))  # shape: [B, k]
-            per_position = -(self.top_probs[later].float().to(device) * picked).sum(-1)  # shape: [B]
+            per_position = self.config.distill.per_position(  # shape: [B]
+                log_q, self.top_index[later].long().to(device), self.top_probs[later].float().to(device))
             weight = self.config.head_decay ** j
             total = total + weight * (per_position * mask).sum() / mask.sum().clamp_min(1.0)
             weight_sum += weight
@@ -244,7 +246,8 @@ def train_medusa(job: TrainingJob, options: MedusaOptions) -> Path:
 
     layer = final_hidden_layer(job.target)
     features = featurize(job, options.top_k, options.draft_vocab_size, (layer,), taps_features_dir(job.corpus, (layer,)))
-    data = MedusaRecipeConfig(batch_tokens=options.batch_tokens, loss_on=options.loss_on)
+    data = MedusaRecipeConfig(batch_tokens=options.batch_tokens, loss_on=options.loss_on,
+                              distill=options.distill_loss())
     recipe = MedusaRecipe(job.corpus, features.vocab, layer, options.num_heads, data, features.directory)
     job.say(f"training {options.num_heads} heads on {recipe.train_tokens} positions, "
             f"{len(recipe.validation_examples)} validation sequences")

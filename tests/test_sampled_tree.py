@@ -1,0 +1,69 @@
+"""Sampled siblings (specwise.drafters.sampled_tree): the Gumbel-top-k draw is sampling without
+replacement, the sibling order is the verification's, and the tree drafters' ``draft_sampling``
+option is checked. The output distribution of the sampled trees is tested end to end in
+test_sampling_e2e.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_distribution
+from specwise.drafters.eagle import EagleDrafterConfig
+from specwise.drafters.medusa import MedusaDrafterConfig
+from specwise.drafters.sampled_tree import (
+    draw_without_replacement,
+    on_full_vocabulary,
+    proposal_log_probs,
+    sibling_ranks,
+)
+from specwise.engine.sampling import SamplingConfig
+from specwise.errors import ConfigError
+
+N = 20_000
+Q = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.06, 0.04, 0.0], dtype=torch.float64)
+
+
+def test_gumbel_top_k_draws_without_replacement():
+    """First draw ~ q; second draw given the first ~ q without it, renormalized (20,000 draws)."""
+    draws = draw_without_replacement(Q.log().expand(N, -1), 2, torch.Generator().manual_seed(0)).numpy()
+    v = Q.numel()
+    assert (draws[:, 0] != draws[:, 1]).all() and (draws < v - 1).all()  # never a zero-probability token
+    q = Q.numpy()
+    pairs = np.zeros((v, v), np.int64)
+    np.add.at(pairs, (draws[:, 0], draws[:, 1]), 1)
+    second = q[None, :] / np.where(q[:, None] < 1, 1 - q[:, None], 1.0)
+    np.fill_diagonal(second, 0.0)
+    assert_distribution(pairs, q[:, None] * second, "(first, second) draws")
+
+
+def test_draws_follow_the_generator():
+    log_q = Q.log()[None]
+    first = draw_without_replacement(log_q, 3, torch.Generator().manual_seed(5))
+    assert torch.equal(first, draw_without_replacement(log_q, 3, torch.Generator().manual_seed(5)))
+
+
+def test_sibling_ranks_and_full_vocabulary_rows():
+    assert sibling_ranks([0, 0, 1, 0, 1, 3]) == [0, 1, 0, 2, 1, 0]
+    rows = on_full_vocabulary(torch.tensor([[0.5, 0.5]]), torch.tensor([3, 1]), 5)
+    assert rows.tolist() == [[0.0, 0.5, 0.0, 0.5, 0.0]]
+
+
+def test_proposal_log_probs_apply_temperature_top_k_and_top_p_not_the_penalty():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    log_q = proposal_log_probs(logits, SamplingConfig(temperature=0.5, top_k=3, repetition_penalty=1.5))
+    expected = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.5, float("-inf")]]) / 0.5, -1)
+    torch.testing.assert_close(log_q, expected)
+
+
+@pytest.mark.parametrize("config", [EagleDrafterConfig, MedusaDrafterConfig])
+def test_draft_sampling_option_is_checked(config):
+    assert config(draft_sampling="sampled").draft_sampling == "sampled"
+    with pytest.raises(ConfigError, match="draft_sampling must be one of deterministic, sampled"):
+        config(draft_sampling="random")
+
+
+def test_sampled_medusa_needs_the_exact_rule():
+    with pytest.raises(ConfigError, match="needs acceptance='exact'"):
+        MedusaDrafterConfig(draft_sampling="sampled", acceptance="typical-lossy")
