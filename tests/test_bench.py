@@ -227,10 +227,10 @@ CONFIG_KEYS = {"target", "dtype", "device", "max_new_tokens", "temperature", "se
 RECORD_KEYS = {"contender", "prompt_id", "category", "new_tokens", "wall_time_s", "tokens_per_second",
                "mean_accepted_length", "drafted_by_position", "accepted_by_position", "draft_time_s",
                "verify_time_s", "matches_baseline", "divergence_index", "divergence_logit_gap", "token_ids",
-               "decode_time_s"}
+               "decode_time_s", "method_steps"}
 SUMMARY_KEYS = {"contender", "prompts", "median_tokens_per_second", "median_speedup", "mean_accepted_length",
                 "acceptance_by_position", "draft_time_s", "verify_time_s", "other_time_s", "exact_matches",
-                "near_tie_divergences", "other_divergences"}
+                "near_tie_divergences", "other_divergences", "steps_by_method"}
 
 
 def test_results_json_schema_is_stable(tiny_run):
@@ -305,3 +305,14 @@ def test_cli_bench_sweep_end_to_end(tmp_path, capsys):
         assert_png(out / name)
         assert f"]({name})" in (out / "report.md").read_text()
     assert "pld[num_draft_tokens=3]" in (out / "report.md").read_text()
+
+
+def test_report_says_what_auto_chose():
+    from specwise.lab.bench.report import _choice_lines
+
+    row = dict(prompts=2, median_tokens_per_second=1.0, median_speedup=1.0, mean_accepted_length=1.0,
+               acceptance_by_position=[], draft_time_s=None, verify_time_s=None, other_time_s=None,
+               exact_matches=None, near_tie_divergences=None, other_divergences=None)
+    auto = Summary(contender="auto", steps_by_method={"eagle": 30, "pld": 10}, **row)
+    plain = Summary(contender="pld", steps_by_method={"pld": 40}, **row)
+    assert _choice_lines([plain, auto]) == ["`auto` chose: `eagle` 75%, `pld` 25% of its verification steps.", ""]

@@ -67,3 +67,35 @@ def test_draft_sampling_option_is_checked(config):
 def test_sampled_medusa_needs_the_exact_rule():
     with pytest.raises(ConfigError, match="needs acceptance='exact'"):
         MedusaDrafterConfig(draft_sampling="sampled", acceptance="typical-lossy")
+
+
+def test_sampled_eagle_tree_has_width_children_per_level_under_the_expanded_node():
+    """depth 4, 8 tokens: two children at each level, each pair under one node of the level above
+    (the one with the best score), every sibling set distinct."""
+    from conftest import make_target
+    from specwise.drafters.eagle import EagleDrafter
+    from specwise.engine.tree import DraftTree
+    from specwise.engine.types import DraftContext
+    from test_eagle import make_head
+
+    target = make_target("llama", eos=())
+    config = EagleDrafterConfig(depth=4, tree_top_k=4, total_tokens=8, min_path_prob=0.0, lookup_tokens=0,
+                                draft_sampling="sampled")
+    drafter = EagleDrafter(target, config, head=make_head(target))
+    ids = torch.arange(3, 23)
+    hidden = target.forward(ids[:-1], target.new_cache(), num_logits=1,
+                            hidden_layers=drafter.target_hidden_layers).hidden_states
+    sampling = SamplingConfig(temperature=1.0)
+    for seed in range(5):
+        drafter.reset()
+        drafter.prefill(DraftContext(ids, 0, sampling, None, ids.numel() - 1, hidden))
+        proposal = drafter.propose(DraftContext(ids, 8, sampling, torch.Generator().manual_seed(seed), ids.numel() - 1))
+        tree = DraftTree.build(ids[-1], proposal.tokens, proposal.parents)
+        assert tree.depth[1:].tolist() == [1, 1, 2, 2, 3, 3, 4, 4]
+        parents = proposal.parents.tolist()
+        assert parents[0] == parents[1] == 0 and all(parents[i] == parents[i + 1] for i in range(0, 8, 2))
+        for level in range(1, 4):  # the expanded node is one of the two nodes of the level above
+            assert parents[2 * level] in (2 * level - 1, 2 * level)
+        for node in range(tree.size):
+            kids = [int(tree.tokens[c]) for c in tree.children[node]]
+            assert len(kids) == len(set(kids))

@@ -30,7 +30,10 @@ def target():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, target):
     log_dir = tmp_path_factory.mktemp("serve-real") / "gemma"
-    server = Server(log_dir, "--weights", "bf16", "--dtype", "float32", target="gemma-3-270m")
+    # the fastest fixed method, named: auto (the default) chooses by timing, so its float32 trees could
+    # differ from an in-process run's at a near-tie
+    server = Server(log_dir, "--weights", "bf16", "--dtype", "float32", "--method",
+                    KNOWN_TARGETS["gemma-3-270m"].best_method, target="gemma-3-270m")
     yield server
     server.stop()
 

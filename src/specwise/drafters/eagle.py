@@ -224,7 +224,7 @@ class EagleDrafter(TrainedDrafter):
             log_q = proposal_log_probs(logits[None], ctx.sampling)  # shape: [1, Vd]
             count = min(width, int(torch.isfinite(log_q).sum()))
             draws = draw_without_replacement(log_q, count, ctx.generator)[0]  # shape: [count]
-            first = len(index) + 1  # node index of the first child
+            first = len(parents) + 1  # node index of the first child
             index.append(draws)
             parents += [parent] * count
             rows += [log_q] * count

@@ -138,6 +138,10 @@ class PredictionDrafter(Drafter):
         """Prediction tokens verified and rejected in this generation."""
         return self.copy.rejected_tokens
 
+    @property
+    def active_method(self) -> str:
+        return self.inner.active_method
+
     def reset(self) -> None:
         self.copy.reset()
         self.inner.reset()

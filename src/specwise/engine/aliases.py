@@ -32,7 +32,7 @@ class KnownTarget:
         hf_repo: the Hugging Face repository of the same weights (what vLLM and SGLang name the
             target in the serve commands ``specwise export`` prints), or ``None``.
         best_method: the fastest method measured on this machine at T = 0 (``specwise serve``'s
-            default): Medusa on Gemma-3-270M (docs/benchmarks/native-greedy-report.md); plain
+            default with ``--drafter``; ``auto`` otherwise): Medusa on Gemma-3-270M (docs/benchmarks/native-greedy-report.md); plain
             decoding on Qwen2.5-Coder, where no drafter beat it (docs/qwen.md).
     """
 

@@ -30,6 +30,12 @@ class Drafter(ABC):
     #: one. None = not recorded (a drafter constructed directly)
     built_for: object | None = None
 
+    @property
+    def active_method(self) -> str:
+        """The method proposing this step (a composite drafter such as ``auto`` names the candidate
+        it runs); recorded per step in ``SpecStats.method_steps``."""
+        return self.method or type(self).__name__
+
     def reset(self) -> None:
         """Forget all per-generation state."""
 

@@ -96,6 +96,7 @@ def speculative_generate(
         proposal = drafter.propose(DraftContext(token_ids=committed[:length], max_draft_tokens=budget,
                                                 sampling=sampling, generator=generator, cache_length=cache.length))
         # 2.-4. verify in one target forward, accept, keep the accepted path in the cache
+        stats.record_method(drafter.active_method)
         t1 = clock.now()
         step = verify_proposal(target, cache, committed[:length], proposal, budget=budget, sampling=sampling,
                                generator=generator, hidden_layers=layers)

@@ -173,6 +173,15 @@ class SpecStats:
     prefill_time_s: float = 0.0
     prediction_accepted_tokens: int = 0  # Predicted Outputs: copied tokens accepted
     prediction_rejected_tokens: int = 0  # ... and verified but rejected
+    # which method proposed, run by run: [method, consecutive verification steps] (``auto`` switches)
+    method_steps: list[list] = field(default_factory=list)
+
+    def record_method(self, method: str) -> None:
+        """Count one verification step proposed by ``method``."""
+        if self.method_steps and self.method_steps[-1][0] == method:
+            self.method_steps[-1][1] += 1
+        else:
+            self.method_steps.append([method, 1])
 
     def record_step(self, num_drafted: int, num_accepted: int, depth: int | None = None) -> None:
         """Add one verification step's counts.
@@ -238,7 +247,7 @@ class SpecStats:
             "verify_time_s": round(self.verify_time_s, 4),
             "other_time_s": round(self.other_time_s, 4),
         }
-        for key in ("drafted_tokens", "accepted_tokens", "accepted_lengths", "prefill_time_s"):
+        for key in ("drafted_tokens", "accepted_tokens", "accepted_lengths", "prefill_time_s", "method_steps"):
             summary[key] = raw[key]
         return summary
 

@@ -32,7 +32,8 @@ _ALWAYS = ("ar", "pld")
 def add_serve_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--target", default=default_target, help=f"alias or path (default {default_target})")
     p.add_argument("--method", default=None,
-                   help="the default method (default: the target's fastest measured one, e.g. medusa on gemma-3-270m)")
+                   help="the default method (default: auto, which picks per request from what it measured "
+                        "here; with --drafter, the target's fastest measured method)")
     p.add_argument("--methods", default=None, metavar="LIST",
                    help="comma-separated methods a request may choose with speculative.method "
                         "(default: the default method, ar and pld)")
@@ -56,12 +57,23 @@ def add_serve_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
+def default_method(method: str | None, drafter: str | None, target: str) -> str:
+    """The server's default method: the one named, else ``auto``; with a ``--drafter`` to serve
+    (``auto`` takes none), the target's fastest measured method, or ``ar`` for an unknown target."""
+    if method:
+        return method
+    if drafter is None:
+        return "auto"
+    known = KNOWN_TARGETS.get(target)
+    return known.best_method if known else "ar"
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if _MISSING is not None:
         raise ConfigError(f"specwise serve needs the [serve] extra ({_MISSING} is missing): "
                           "pip install 'specwise[serve]'.")
     known = KNOWN_TARGETS.get(args.target)
-    default = args.method or (known.best_method if known else "ar")
+    default = default_method(args.method, args.drafter, args.target)
     METHODS.get(default)  # an unknown method: one sentence before the model load
     methods = [default, *(_split(args.methods) if args.methods else _ALWAYS)]
     for method in methods:

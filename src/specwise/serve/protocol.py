@@ -232,9 +232,11 @@ def usage(prompt_tokens: int, result) -> dict:
 
 
 def speculative_decoding(stats) -> dict:
-    """What the speculation did: method, τ, acceptance (overall and by draft position), counts, times (s)."""
+    """What the speculation did: method (and, run by run, the methods ``auto`` ran), τ, acceptance
+    (overall and by draft position), counts, times (s)."""
     return {
         "method": stats.method,
+        "method_steps": stats.method_steps,
         "mean_accepted_length": round(stats.mean_accepted_length, 4),
         "acceptance_rate": round(stats.acceptance_rate, 4),
         "acceptance_by_position": [round(x, 4) for x in stats.acceptance_by_position],

@@ -57,11 +57,23 @@ def markdown_report(result: BenchResult, plots: Sequence[str | Path] = ()) -> st
         lines += [f"## {group}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         lines += ["| " + " | ".join(_cells(s)) + " |" for s in result.summaries[group]]
         lines.append("")
+        lines += _choice_lines(result.summaries[group])
     if result.config.get("sweep"):
         lines += _sweep_lines(result)
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     return "\n".join(lines)
+
+
+def _choice_lines(summaries: Sequence[Summary]) -> list[str]:
+    """For each contender that ran several methods (``auto``), the share of its steps each one proposed."""
+    lines = []
+    for s in summaries:
+        total = sum(s.steps_by_method.values())
+        if len(s.steps_by_method) > 1 and total:
+            shares = ", ".join(f"`{m}` {100 * n / total:.0f}%" for m, n in s.steps_by_method.items())
+            lines.append(f"`{s.contender}` chose: {shares} of its verification steps.")
+    return lines + [""] if lines else []
 
 
 def _sweep_lines(result: BenchResult) -> list[str]:

@@ -42,6 +42,7 @@ class RunRecord:
     divergence_logit_gap: float | None = None
     token_ids: list[int] = field(default_factory=list)
     decode_time_s: float | None = None  # decoding without the prefill, where a peer reports it (llama.cpp)
+    method_steps: list[list] = field(default_factory=list)  # [method, steps] runs (``auto``'s choices)
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Summary:
     exact_matches: int | None
     near_tie_divergences: int | None
     other_divergences: int | None
+    steps_by_method: dict[str, int] = field(default_factory=dict)  # verification steps each method proposed
 
 
 @dataclass
@@ -145,6 +147,7 @@ def _record(contender: Contender, prompt: PromptRecord, outcome) -> RunRecord:
         record.accepted_by_position = list(stats.accepted_by_position)
         record.draft_time_s = stats.draft_time_s
         record.verify_time_s = stats.verify_time_s
+        record.method_steps = [list(run) for run in stats.method_steps]
     return record
 
 
@@ -214,7 +217,16 @@ def _summarize_one(name: str, rows: list[RunRecord], baseline_tps: dict[str, flo
         exact_matches=len(compared) - len(diverged) if compared else None,
         near_tie_divergences=len(near) if compared else None,
         other_divergences=len(diverged) - len(near) if compared else None,
+        steps_by_method=_steps_by_method(rows),
     )
+
+
+def _steps_by_method(rows: list[RunRecord]) -> dict[str, int]:
+    steps: dict[str, int] = {}
+    for r in rows:
+        for method, count in r.method_steps:
+            steps[method] = steps.get(method, 0) + count
+    return dict(sorted(steps.items(), key=lambda kv: -kv[1]))
 
 
 def _sum_lists(lists: list[list[int]]) -> list[int]:

@@ -1,0 +1,117 @@
+"""What ``auto`` has measured of each drafting method on this machine: tokens per verification step
+and seconds per step, per sampling regime, kept in the cache beside the targets.
+
+A step's seconds are the wall time from one ``propose`` to the next (drafting, the target's
+verification forward and the loop's bookkeeping), so the ratio ``tokens / seconds`` is the method's
+decoding speed, the quantity the speedup model predicts from a calibration (``t(1)``, ``v(n)``,
+the draft cost ``c`` and τ; :mod:`specwise.engine.cost_model`), here measured where it is used.
+The file is keyed by target, weights, dtype, threads and CPU, so another machine or weight form
+never reads these numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+#: weight of a new generation's mean in the remembered estimate (an exponential moving average over
+#: generations: recent requests count most, one odd prompt does not erase the rest)
+MEMORY = 0.3
+
+
+@dataclass
+class Estimate:
+    """A method's measured speed in one regime.
+
+    Attributes:
+        tokens: mean tokens emitted per verification step (τ of the steps, bonus token included).
+        seconds: mean wall seconds per step.
+        steps: steps the estimate has seen (all generations together).
+    """
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second (0 before any measurement)."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def update(self, tokens: float, seconds: float, steps: int, weight: float) -> None:
+        """Blend in a measurement of ``steps`` steps (means per step) with ``weight`` (1 = replace)."""
+        weight = 1.0 if self.steps == 0 else weight
+        self.tokens += weight * (tokens - self.tokens)
+        self.seconds += weight * (seconds - self.seconds)
+        self.steps += steps
+
+
+def regime(sampling) -> str:
+    """The sampling regime estimates are kept per: ``"greedy"`` or the temperature to 0.1 (with
+    top-k / top-p when set, which change acceptance)."""
+    if sampling.is_greedy:
+        return "greedy"
+    key = f"T={sampling.temperature:.1f}"
+    if sampling.top_k:
+        key += f",top_k={sampling.top_k}"
+    if sampling.top_p < 1.0:
+        key += f",top_p={sampling.top_p:.2f}"
+    return key
+
+
+class AutoProfile:
+    """Estimates per ``(regime, method spec)``, loaded from and saved to one JSON file.
+
+    Args:
+        path: the file, or ``None`` to keep the estimates in memory only.
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.estimates: dict[tuple[str, str], Estimate] = {}
+        if path is not None:
+            try:
+                data = json.loads(path.read_text())
+                for key, value in data.get("estimates", {}).items():
+                    mode, _, spec = key.partition("|")
+                    self.estimates[mode, spec] = Estimate(float(value["tokens"]), float(value["seconds"]),
+                                                          int(value["steps"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                self.estimates = {}  # no file yet, or an unreadable one: measure afresh
+
+    def get(self, mode: str, spec: str) -> Estimate:
+        """The estimate for ``spec`` in ``mode`` (a new, empty one the first time)."""
+        return self.estimates.setdefault((mode, spec), Estimate())
+
+    def save(self) -> None:
+        """Write the file atomically (concurrent processes: the last writer wins, never a torn file);
+        a cache that cannot be written is skipped silently (the estimates stay in memory)."""
+        if self.path is None:
+            return
+        data = {"estimates": {f"{mode}|{spec}": vars(e) for (mode, spec), e in sorted(self.estimates.items())}}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".auto-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
+
+
+def profile_path(target, cache_root: Path) -> Path | None:
+    """Where ``target``'s profile lives: ``<cache>/auto/<key>.json``, keyed by the model's files,
+    weight form, dtype, device, threads and CPU; ``None`` for a model built in memory (no files)."""
+    source = str(getattr(target.model, "name_or_path", "") or "")
+    if not source:
+        return None
+    key = "|".join([target.name, source, target.weights, str(target.dtype), str(target.device),
+                    f"{torch.get_num_threads()}t", platform.machine(), torch.backends.cpu.get_cpu_capability()])
+    return cache_root / "auto" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"

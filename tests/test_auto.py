@@ -1,0 +1,184 @@
+"""``method="auto"``: it picks plain decoding when every drafter loses, switches when acceptance
+changes mid-generation, rebuilds a stateful drafter from the committed context, and the output stays
+exactly the target's across switches (greedy token for token on float64 tiny models).
+
+Step times come from a fake clock that each candidate advances by a set cost per step, so the
+choices are deterministic; the real clock is used in one greedy-equivalence run over the default
+candidates.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import specwise
+from conftest import OracleDrafter, RandomDrafter, greedy_continuation, make_target, random_prompt, repetitive_prompt
+from specwise.drafters.auto import AutoConfig, AutoDrafter
+from specwise.drafters.auto_profile import AutoProfile, Estimate, profile_path, regime
+from specwise.drafters.autoregressive import AutoregressiveConfig, AutoregressiveDrafter
+from specwise.drafters.eagle import EagleDrafter, EagleDrafterConfig
+from specwise.drafters.medusa import MedusaDrafter, MedusaDrafterConfig
+from specwise.engine.drafter import Drafter
+from specwise.engine.sampling import SamplingConfig
+from specwise.errors import ConfigError, DrafterError
+from test_eagle import make_head
+from test_medusa import make_heads
+
+NEW = 60
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Costly(Drafter):
+    """A drafter that advances the fake clock by ``cost`` seconds per step (its step time)."""
+
+    def __init__(self, inner: Drafter, clock: FakeClock, cost: float) -> None:
+        self.inner, self.clock, self.cost = inner, clock, cost
+        self.target_hidden_layers = inner.target_hidden_layers
+
+    def reset(self):
+        self.inner.reset()
+
+    def prefill(self, ctx):
+        self.inner.prefill(ctx)
+
+    def propose(self, ctx):
+        self.clock.now += self.cost
+        return self.inner.propose(ctx)
+
+    def observe(self, feedback):
+        self.inner.observe(feedback)
+
+
+def _auto(candidates: dict, clock: FakeClock, **options) -> AutoDrafter:
+    return AutoDrafter(None, AutoConfig(remember=False, **options), candidates=candidates, clock=clock,
+                       profile=AutoProfile(None))
+
+
+def _setup(arch: str = "llama"):
+    target = make_target(arch, eos=())
+    prompt = random_prompt(20, seed=3)
+    continuation = greedy_continuation(arch, 0, tuple(prompt.tolist()), NEW)
+    return target, prompt, continuation
+
+
+def _ar(target):
+    return AutoregressiveDrafter(target, AutoregressiveConfig())
+
+
+def test_auto_decodes_plainly_when_every_drafter_loses():
+    target, prompt, continuation = _setup()
+    clock = FakeClock()
+    never = RandomDrafter(target.vocab_size, 4, seed=1, avoid=continuation, prompt_length=prompt.numel())
+    auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "never": Costly(never, clock, 1.2)}, clock)
+    result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
+    assert result.token_ids == list(continuation)
+    assert result.stats.method_steps[:2] == [["ar", 4], ["never", 4]]  # each probed once
+    assert result.stats.method_steps[2][0] == "ar" and len(result.stats.method_steps) == 3
+    assert result.stats.method == "auto"
+
+
+def test_auto_switches_when_acceptance_changes_and_stays_exact():
+    """An oracle right for the first 30 tokens, then always wrong: auto runs it while it wins and
+    returns to plain decoding once it stops matching."""
+    target, prompt, continuation = _setup()
+    clock = FakeClock()
+    oracle = OracleDrafter(continuation, prompt.numel(), 4, mismatch_at=range(30, NEW))
+    auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "oracle": Costly(oracle, clock, 1.1)}, clock,
+                 decide_every=4)
+    result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
+    assert result.token_ids == list(continuation)
+    runs = [method for method, _ in result.stats.method_steps]
+    assert runs == ["ar", "oracle", "ar"], result.stats.method_steps
+    # back within two decisions of the oracle's last right draft (it emits 5 tokens a step till then)
+    assert sum(n for m, n in result.stats.method_steps if m == "oracle") <= 30 // 5 + 2 * 4
+
+
+def test_auto_remembers_across_generations_and_skips_the_probes():
+    target, prompt, continuation = _setup()
+    clock = FakeClock()
+    oracle = OracleDrafter(continuation, prompt.numel(), 4)
+    auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "oracle": Costly(oracle, clock, 1.1)}, clock)
+    specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
+    again = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
+    assert again.token_ids == list(continuation) and again.stats.method_steps == [["oracle", again.stats.target_forwards - 1]]
+    assert auto.profile.get("greedy", "oracle").rate > auto.profile.get("greedy", "ar").rate
+    sampled = specwise.generate(target, prompt, drafter=auto, max_new_tokens=20, temperature=0.8, seed=0)
+    assert sampled.stats.method_steps[0] == ["ar", 4]  # another regime: probed afresh
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_switching_rebuilds_stateful_drafters_from_the_committed_context(arch):
+    """Probing goes ar -> eagle -> medusa mid-generation: EAGLE's head cache and Medusa's state are
+    rebuilt from the hidden states auto kept for every committed position, which equal the target's
+    own in one forward over the context; the output is the target's greedy continuation."""
+    target, prompt, continuation = _setup(arch)
+    clock = FakeClock()
+    eagle = EagleDrafter(target, EagleDrafterConfig(depth=3, tree_top_k=2, total_tokens=5, min_path_prob=0.0,
+                                                    lookup_tokens=0), head=make_head(target))
+    medusa = MedusaDrafter(target, MedusaDrafterConfig(min_path_prob=0.0, lookup_tokens=0), heads=make_heads(target))
+    auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "eagle": Costly(eagle, clock, 1.0),
+                  "medusa": Costly(medusa, clock, 1.0)}, clock, decide_every=3, probe_steps=3)
+    assert set(auto.target_hidden_layers) == set(eagle.target_hidden_layers) | set(medusa.target_hidden_layers)
+    result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
+    assert result.token_ids == list(continuation)
+    assert [m for m, _ in result.stats.method_steps[:3]] == ["ar", "eagle", "medusa"]
+    ids = torch.cat([prompt, torch.tensor(continuation)])
+    committed = prompt.numel() + len(continuation) - 1  # positions the target has processed
+    fresh = target.forward(ids[:committed], target.new_cache(), num_logits=1,
+                           hidden_layers=auto.target_hidden_layers).hidden_states
+    for layer in auto.target_hidden_layers:
+        torch.testing.assert_close(torch.cat(auto._hidden[layer]), fresh[layer])
+
+
+def test_auto_over_the_default_candidates_is_greedy_exact_on_the_real_clock():
+    target = make_target("llama", eos=())
+    prompt = repetitive_prompt(40)
+    reference = specwise.generate(target, prompt, method="ar", max_new_tokens=NEW)
+    result = specwise.generate(target, prompt, method="auto", max_new_tokens=NEW, decide_every=4)
+    assert result.token_ids == reference.token_ids
+    assert sum(n for _, n in result.stats.method_steps) == result.stats.target_forwards - 1
+    assert {m for m, _ in result.stats.method_steps} <= {"ar", "pld", "lookahead"}  # no trained drafter ships
+
+
+def test_plain_methods_report_their_own_steps():
+    target, prompt, _ = _setup()
+    result = specwise.generate(target, prompt, method="pld", max_new_tokens=10)
+    assert result.stats.method_steps == [["pld", result.stats.target_forwards - 1]]
+    assert result.stats.to_dict()["method_steps"] == result.stats.method_steps
+
+
+def test_profile_round_trip_and_keys(tmp_path):
+    path = tmp_path / "auto" / "p.json"
+    profile = AutoProfile(path)
+    profile.get("greedy", "eagle").update(3.0, 0.05, 16, 0.3)
+    profile.get("T=0.7", "pld").update(1.5, 0.04, 8, 0.3)
+    profile.save()
+    again = AutoProfile(path)
+    assert again.get("greedy", "eagle") == Estimate(3.0, 0.05, 16) and again.get("T=0.7", "pld").steps == 8
+    path.write_text("{not json")
+    assert AutoProfile(path).estimates == {}  # unreadable: measured afresh
+    assert json.loads(json.dumps(vars(Estimate(1, 2, 3)))) == {"tokens": 1, "seconds": 2, "steps": 3}
+    assert profile_path(make_target("llama"), tmp_path) is None  # a model built in memory: no file
+    assert regime(SamplingConfig()) == "greedy" and regime(SamplingConfig(temperature=0.7, top_p=0.9)) == "T=0.7,top_p=0.90"
+
+
+def test_bad_auto_options_are_one_clear_error():
+    target = make_target("llama")
+    with pytest.raises(ConfigError, match="cannot be one of its own candidates"):
+        AutoConfig(candidates="ar,auto")
+    with pytest.raises(ConfigError, match="decide_every"):
+        AutoConfig(decide_every=0)
+    with pytest.raises(DrafterError, match="unknown method 'nope'"):
+        specwise.build_drafter(target, "auto", candidates="ar,nope")
+    with pytest.raises(DrafterError, match="needs an EAGLE head"):
+        specwise.build_drafter(target, "auto", candidates="ar,eagle")  # named, so not skipped
