@@ -61,6 +61,9 @@ def test_summaries_of_synthetic_runs(synthetic_records):
     assert ar.median_speedup == 1.0
     assert pld.median_tokens_per_second == 20.0  # median of 20, 20, 2.5
     assert pld.median_speedup == 2.0  # median of the per-prompt ratios 2, 4, 1
+    assert pld.geomean_speedup == pytest.approx(2.0)  # (2 * 4 * 1) ** (1 / 3)
+    assert pld.pooled_tokens_per_second == pytest.approx(30 / 5.0)  # 30 tokens in 0.5 + 0.5 + 4 s
+    assert ar.pooled_tokens_per_second == pytest.approx(30 / 7.0)
     # τ = all new tokens / all target forwards: 30 / (5 + 3 + 10)
     assert pld.mean_accepted_length == pytest.approx(30 / 18)
     # per-position acceptance: summed counts, then divided
@@ -230,7 +233,8 @@ RECORD_KEYS = {"contender", "prompt_id", "category", "new_tokens", "wall_time_s"
                "decode_time_s", "method_steps"}
 SUMMARY_KEYS = {"contender", "prompts", "median_tokens_per_second", "median_speedup", "mean_accepted_length",
                 "acceptance_by_position", "draft_time_s", "verify_time_s", "other_time_s", "exact_matches",
-                "near_tie_divergences", "other_divergences", "steps_by_method"}
+                "near_tie_divergences", "other_divergences", "steps_by_method", "pooled_tokens_per_second",
+                "geomean_speedup"}
 
 
 def test_results_json_schema_is_stable(tiny_run):

@@ -64,9 +64,9 @@ def test_draft_sampling_option_is_checked(config):
         config(draft_sampling="random")
 
 
-def test_sampled_medusa_needs_the_exact_rule():
-    with pytest.raises(ConfigError, match="needs acceptance='exact'"):
-        MedusaDrafterConfig(draft_sampling="sampled", acceptance="typical-lossy")
+def test_medusa_samples_its_tree_by_default_except_under_the_typical_rule():
+    assert MedusaDrafterConfig().draft_sampling == "sampled" and EagleDrafterConfig().draft_sampling == "deterministic"
+    assert MedusaDrafterConfig(acceptance="typical-lossy").draft_sampling == "sampled"  # accepted, unused there
 
 
 def test_sampled_eagle_tree_has_width_children_per_level_under_the_expanded_node():

@@ -26,6 +26,7 @@ from conftest import (
     reference_probs,
 )
 from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter
+from specwise.engine.acceptance import ExactAcceptance
 
 V = 8
 PROMPT = [3, 4, 5, 3, 4, 6, 3, 4]  # repeated n-grams, so prompt lookup proposes drafts
@@ -193,8 +194,8 @@ def test_sampled_sequences_follow_the_target_distribution(config):
 
 def test_statistical_check_detects_a_lossy_verifier(monkeypatch):
     """Power check: accepting every draft (a lossy rule) must fail the same test."""
-    monkeypatch.setattr("specwise.engine.step.speculative_sample",
-                        lambda drafts, p, q, generator: (drafts.numel(), int(torch.multinomial(p[-1], 1, generator=generator))))
+    accept_all = staticmethod(lambda drafts, p, q, generator: (drafts.numel(), int(torch.multinomial(p[-1], 1, generator=generator))))
+    monkeypatch.setattr(ExactAcceptance, "sample_chain", accept_all)
     make_drafter, max_new_tokens, sampling = CONFIGS["draft-t0.8"]
     target = make_target("llama", 0, vocab_size=V, eos=())
     exact = exact_joint(target.model, PROMPT, 3, **{k: v for k, v in sampling.items() if k != "prediction"})

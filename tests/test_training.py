@@ -478,8 +478,10 @@ def test_cli_builds_trains_and_generates_end_to_end(tmp_path):
     assert (tmp_path / "corpus" / "features-taps-0-1-2").is_dir()  # beside the draft recipe's features
     continued = run("train", "eagle", *common, "--data", str(tmp_path / "corpus"), "--out", str(tmp_path / "eagle2"),
                     "--steps", "1", "--lr", "1e-12", "--draft-vocab-size", "64", "--batch-tokens", "64", "--top-k", "4",
-                    "--ttt-steps", "2", "--init-from", str(tmp_path / "eagle"))
+                    "--ttt-steps", "2", "--init-from", str(tmp_path / "eagle"), "--tv-weight", "0.5")
     assert continued.returncode == 0, continued.stderr
+    # continued training labels its features with the starting drafter's vocabulary, in their own directory
+    assert any(p.name.startswith("features-taps-0-1-2-vocab-") for p in (tmp_path / "corpus").iterdir())
     before, after = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("eagle", "eagle2"))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)  # lr ~ 0
     record = json.loads((tmp_path / "eagle2" / "config.json").read_text())["recipe"]

@@ -7,9 +7,10 @@ target is unpredictable): no fixed choice is best everywhere. ``auto`` runs one 
 a time and keeps, per candidate and sampling regime (:func:`specwise.drafters.auto_profile.regime`),
 the tokens per step and seconds per step it has measured (:class:`AutoProfile`, remembered in the
 cache across requests and processes). Every ``decide_every`` steps it compares the running method,
-by its recent steps in this generation, with the others by their remembered speed (or, for one
-that already ran in this generation, by its last steps there), and switches
-when the other is predicted faster over the next ``decide_every`` steps by ``margin``, the cost of
+by its last ``decide_every`` steps on this text, with the others by their remembered speed (or, for
+one it left in this generation, by its speed on this text), and switches when the other is
+predicted faster by ``margin`` even against the upper end of the running method's scatter (a
+sampled segment's speed scatters widely: one unlucky segment is no reason to leave), the cost of
 rebuilding the other's state counted. Plain decoding (``ar``) is a candidate, so when no drafter is
 predicted to win, ``auto`` decodes plainly. A candidate with fewer than ``probe_steps`` measured
 steps in the regime is run for that many first (once per regime and machine, thanks to the profile).
@@ -38,6 +39,16 @@ from specwise.engine.loading import default_cache_dir
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError, DrafterError
 
+#: standard errors by which the running method's segment must fall short before ``auto`` leaves it: a
+#: 16-step segment of a sampled text scatters by tens of percent, and leaving a method that is faster
+#: on average for one unlucky segment costs more than staying
+EVIDENCE = 2.0
+
+#: optimism for a candidate measured over few steps: its remembered speed counts this much more after
+#: ``probe_steps`` measured steps, shrinking as 1 / sqrt(steps) (UCB-style), so a candidate that one
+#: unlucky probe made look slower is tried again while its estimate is still uncertain
+EXPLORE = 0.1
+
 #: the candidates by default, in probing order: every method that runs on the target (a trained
 #: drafter only where one ships for it, or its default draft model exists)
 DEFAULT_CANDIDATES = ("ar", "pld", "lookahead", "eagle", "medusa", "dflash", "draft")
@@ -51,7 +62,7 @@ class AutoConfig(MethodConfig):
     # None = every method that runs on the target
     candidates: str | None = None
     decide_every: int = 16  # verification steps between decisions
-    probe_steps: int = 4  # steps a candidate without a measurement here runs before it is judged
+    probe_steps: int = 8  # steps a candidate without a measurement here runs before it is judged
     margin: float = 0.03  # switch only when the other method is predicted this much faster
     remember: bool = True  # keep the measurements in the cache (across requests and processes)
 
@@ -98,6 +109,46 @@ def build_candidates(target, config: AutoConfig) -> dict[str, Drafter]:
     return built
 
 
+def _plain(spec: str) -> bool:
+    """Whether the candidate is plain decoding (its speed does not depend on the text)."""
+    return split_spec(spec)[0] == "ar"
+
+
+@dataclass
+class Segment:
+    """The running candidate's steps since the last decision: sums of tokens per step, of their
+    squares and of seconds."""
+
+    steps: int = 0
+    tokens: float = 0.0
+    squares: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.squares += tokens * tokens
+        self.seconds += seconds
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second over the segment."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def rate_error(self) -> float:
+        """The standard error of :attr:`rate` from the scatter of tokens per step."""
+        if self.steps < 2 or self.seconds <= 0:
+            return float("inf")
+        mean = self.tokens / self.steps
+        variance = max(0.0, (self.squares - self.steps * mean * mean) / (self.steps - 1))
+        return (variance / self.steps) ** 0.5 * self.steps / self.seconds
+
+    def estimate(self) -> Estimate:
+        """Means per step, as an :class:`Estimate`."""
+        return Estimate(self.tokens / self.steps, self.seconds / self.steps, self.steps) if self.steps else Estimate()
+
+
 @register_drafter("auto", AutoConfig, "picks the method per request from measured speed, re-deciding as "
                   "acceptance changes", order=5)
 class AutoDrafter(Drafter):
@@ -135,10 +186,12 @@ class AutoDrafter(Drafter):
         self._hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.target_hidden_layers}
         self._step_start: float | None = None
         self._last_tokens = 0  # tokens the last verified step emitted
-        self._this_text: dict[str, Estimate] = {}  # candidates left in this generation: their last segment
-        self._segment = Estimate()  # the running candidate's steps since the last decision (means)
-        self._last_segment = Estimate()  # ... and before it, the segment that ended at the last decision
+        self._this_text: dict[str, float] = {}  # candidates left in this generation for cause: their rate here
+        self._segment = Segment()  # the running candidate's steps since the last decision
+        self._last_segment = Segment()  # ... and before it, the segment that ended at the last decision
         self._segment_length = 0  # steps the current segment runs before the next decision
+        self._first_step = False  # the next step is the running candidate's first since it started
+        self._rebuild_s: float | None = None  # how long its prefill took (None: at the generation's start)
 
     @property
     def active_method(self) -> str:
@@ -152,7 +205,11 @@ class AutoDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> Proposal:
         now = self.clock()
         if self._step_start is not None:
-            self._measure(self._last_tokens, now - self._step_start)
+            seconds = now - self._step_start
+            if self._first_step:
+                self._first_steps(seconds, ctx)
+            else:
+                self._measure(self._last_tokens, seconds)
         if self._segment.steps >= self._segment_length:
             self._decide(ctx)
         self._step_start = self.clock()
@@ -168,42 +225,66 @@ class AutoDrafter(Drafter):
         for layer, rows in self._hidden.items():
             rows.append(hidden_states[layer])
 
+    def _first_steps(self, seconds: float, ctx: DraftContext) -> None:
+        """A candidate's first step after it started is not a measurement of its speed: a stateful
+        drafter catches up on the whole context there (EAGLE and DFlash read every committed
+        position's features, a draft model the whole context), and the first call of a module pays
+        one-time costs. What it took beyond the candidate's usual step counts as rebuilding."""
+        self._first_step = False
+        usual = self.profile.get(self._mode, self.active)
+        if self._rebuild_s is not None and usual.steps:
+            extra = self._rebuild_s + max(0.0, seconds - usual.seconds)
+            self.profile.get("rebuild", self.active).update(ctx.token_ids.numel(), extra, 1, MEMORY)
+
     def _measure(self, tokens: int, seconds: float) -> None:
-        """One verified step of the running candidate, into the segment's means."""
-        n = self._segment.steps + 1
-        self._segment.update(tokens, seconds, 1, 1.0 / n)  # the running mean of the segment
+        """One verified step of the running candidate, into the segment."""
+        self._segment.add(tokens, seconds)
 
     def _decide(self, ctx: DraftContext) -> None:
         """End the segment: remember what it measured, then keep the running candidate or switch."""
         if self._segment.steps:
-            self.profile.get(self._mode, self.active).update(self._segment.tokens, self._segment.seconds,
-                                                            self._segment.steps, MEMORY)
+            measured = self._segment.estimate()
+            self.profile.get(self._mode, self.active).update(measured.tokens, measured.seconds, measured.steps, MEMORY)
             self.profile.save()
         self._last_segment = self._segment
         choice = self._choose(ctx)
         if choice != self.active:
             self._switch(choice, ctx)
         else:
-            self._segment, self._segment_length = Estimate(), self._length_for(choice)
+            self._segment, self._segment_length = Segment(), self._length_for(choice)
 
     def _choose(self, ctx: DraftContext | None) -> str:
-        """The candidate to run next: one still to probe in this regime, else the predicted fastest
-        (the running one unless another wins by ``margin`` with its rebuild counted)."""
+        """The candidate to run next: one still to probe in this regime, else the predicted fastest.
+
+        Others are predicted by their remembered speed, or, if one was left in this generation for
+        cause, by its speed on this text. The running one is judged by its last segment here, at the
+        upper end of that segment's scatter (:data:`EVIDENCE` standard errors), and is left only when
+        another beats that by ``margin`` with its rebuild counted.
+        """
         cfg = self.config
-        for spec in self.candidates:
-            if self.profile.get(self._mode, spec).steps < cfg.probe_steps:
+        estimates = {spec: self.profile.get(self._mode, spec) for spec in self.candidates}
+        for spec, estimate in estimates.items():
+            if estimate.steps < cfg.probe_steps:
                 return spec
-        rates = {spec: self.profile.get(self._mode, spec).rate for spec in self.candidates}
-        for spec, recent in self._this_text.items():  # what this text did when they last ran
-            rates[spec] = recent.rate
         current = self.active
         recent = self._last_segment
-        if current is not None and recent.steps >= cfg.probe_steps:
-            rates[current] = recent.rate  # this text, not the average one
+        measured = current is not None and recent.steps >= cfg.probe_steps
+        # how this text compares with the texts the running drafter was measured on; plain decoding's
+        # speed does not depend on the text, a drafter's does, and alike for every drafter
+        difficulty = 1.0
+        if measured and not _plain(current) and estimates[current].rate > 0:
+            difficulty = (recent.rate + EVIDENCE * recent.rate_error) / estimates[current].rate
+        rates = {}
+        for spec, estimate in estimates.items():
+            optimism = 1.0 + EXPLORE * (cfg.probe_steps / estimate.steps) ** 0.5 if spec != current else 1.0
+            rates[spec] = estimate.rate * optimism * (1.0 if _plain(spec) else difficulty)
+        rates.update(self._this_text)
+        if measured:  # this text, at the upper end of the segment's scatter
+            rates[current] = recent.rate + EVIDENCE * recent.rate_error
         best = max(rates, key=rates.__getitem__)
         if current is None or best == current or rates[current] <= 0:
             return best
-        tokens = cfg.decide_every * max(recent.tokens if recent.steps else 1.0, 1.0)
+        tokens = cfg.decide_every * max(recent.tokens / recent.steps if recent.steps else 1.0, 1.0)
         context = 0 if ctx is None else ctx.token_ids.numel()
         rebuild = self.profile.get("rebuild", best)
         rebuild_s = context / rebuild.rate if rebuild.rate > 0 else 0.0
@@ -222,10 +303,11 @@ class AutoDrafter(Drafter):
         hidden = {layer: torch.cat(self._hidden[layer]) for layer in drafter.target_hidden_layers}
         drafter.prefill(DraftContext(token_ids=ctx.token_ids, max_draft_tokens=0, sampling=ctx.sampling,
                                      generator=ctx.generator, cache_length=ctx.cache_length, hidden_states=hidden))
-        if self.active is not None:  # a switch mid-generation: how long rebuilding took, per context token
-            self.profile.get("rebuild", spec).update(ctx.token_ids.numel(), self.clock() - start, 1, MEMORY)
-            if self._last_segment.steps >= self.config.probe_steps:
-                self._this_text[self.active] = self._last_segment
+        # a switch mid-generation: the prefill and the first step's excess are the rebuild's cost
+        self._rebuild_s = self.clock() - start if self.active is not None else None
+        if self.active is not None and self._last_segment.steps >= self.config.probe_steps:
+            self._this_text[self.active] = self._last_segment.rate
+        self._first_step = True
         self.active = spec
-        self._segment, self._last_segment = Estimate(), Estimate()
+        self._segment, self._last_segment = Segment(), Segment()
         self._segment_length = self._length_for(spec)

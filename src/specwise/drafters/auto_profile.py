@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-#: weight of a new generation's mean in the remembered estimate (an exponential moving average over
-#: generations: recent requests count most, one odd prompt does not erase the rest)
-MEMORY = 0.3
+#: weight of a new segment's means in the remembered estimate (an exponential moving average over the
+#: segments of every generation: recent requests count most, one odd text does not erase the rest)
+MEMORY = 0.1
 
 
 @dataclass

@@ -100,8 +100,9 @@ class TrainOptions:
     top_k: int = option(default_of(FeatureConfig, "top_k"), "target log-probs kept per position")
     validate_every: int = option(100, "optimizer steps between validations (0: only at the end)")
     seed: int = option(0, "seed of the data order, the initialization and the corpus build")
-    init_from: str | None = option(None, "start from the weights of this trained drafter (same method, architecture "
-                                         "and corpus vocabulary); the optimizer and schedule start afresh",
+    init_from: str | None = option(None, "start from the weights of this trained drafter (same method and "
+                                         "architecture; its draft vocabulary labels the features, so any corpus "
+                                         "fits); the optimizer and schedule start afresh",
                                    metavar="DIR")
     tv_weight: float = option(0.0, "weight in [0, 1] of the total-variation term mixed into the cross-entropy "
                                    "(acceptance at temperature T is 1 - TV(p_T, q_T)); 0 = cross-entropy only")

@@ -9,6 +9,7 @@ hands them to :func:`train_and_save` as a :class:`TrainingPlan`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -123,18 +124,32 @@ def feature_layers(target, requested: tuple[int, ...] | None) -> tuple[int, ...]
 
 
 def featurize(job: TrainingJob, top_k: int, size: int, layers: tuple[int, ...] = (),
-              features_dir: Path | None = None) -> Features:
+              features_dir: Path | None = None, init_from: str | Path | None = None) -> Features:
     """Run (or resume) the features pass on rank 0 (the other ranks then read it): the target's
     top-``top_k`` over a ``size``-token draft vocabulary and its hidden states at ``layers``, into
     ``features_dir`` (default: beside the corpus shards; see :func:`taps_features_dir`).
 
+    With ``init_from`` (a trained drafter to continue training), the draft vocabulary is that
+    drafter's, so it can be fine-tuned on any corpus; those features go to their own directory
+    (``<features_dir>-vocab-<hash>``), beside the corpus's own.
+
     Returns:
         :class:`Features`.
+
+    Raises:
+        DrafterError: ``init_from`` is not a drafter of ``job.method`` for the target.
     """
     started = time.perf_counter()
+    given = None
+    if init_from is not None:
+        given = load_checkpoint(init_from, job.target, method=job.method).tensors["draft_vocab"].long()
+        digest = hashlib.sha256(given.numpy().tobytes()).hexdigest()[:12]
+        base = features_dir if features_dir is not None else job.corpus / "features"
+        features_dir = base.with_name(f"{base.name}-vocab-{digest}")
     with main_process_first() as is_main:
         if is_main:
-            vocab = choose_vocabulary(job.target, job.corpus, size, job.say, features_dir)
+            vocab = given if given is not None else choose_vocabulary(job.target, job.corpus, size, job.say,
+                                                                      features_dir)
             extract_features(job.target, job.corpus, vocab, FeatureConfig(top_k=top_k, hidden_layers=layers),
                              progress=job.say, features_dir=features_dir)
     where = features_dir if features_dir is not None else job.corpus

@@ -11,7 +11,8 @@ from rich.table import Table
 from specwise.lab.bench.plots import sweep_table
 from specwise.lab.bench.runner import BenchResult, Summary
 
-COLUMNS = ("contender", "prompts", "tok/s (median)", "speedup vs ar", "τ", "accept by position",
+COLUMNS = ("contender", "prompts", "tok/s (median)", "speedup vs ar", "pooled tok/s", "geo-mean speedup", "τ",
+           "accept by position",
            "draft / verify / other s", "same as ar (near-tie / other diverged)")
 
 
@@ -22,6 +23,8 @@ def _cells(s: Summary) -> list[str]:
     agree = "-" if s.exact_matches is None else f"{s.exact_matches}/{s.prompts} ({s.near_tie_divergences} / {s.other_divergences})"
     return [s.contender, str(s.prompts), fmt(s.median_tokens_per_second, ".1f"),
             "-" if s.median_speedup is None else f"{s.median_speedup:.2f}x",
+            fmt(s.pooled_tokens_per_second, ".1f"),
+            "-" if s.geomean_speedup is None else f"{s.geomean_speedup:.2f}x",
             fmt(s.mean_accepted_length, ".2f"), positions, times, agree]
 
 
@@ -43,7 +46,9 @@ def markdown_report(result: BenchResult, plots: Sequence[str | Path] = ()) -> st
     lines = [f"# specwise bench: {c['target']}", "",
              f"{c['dtype']} on {c['device']}, temperature {c['temperature']}, {c['max_new_tokens']} new tokens, "
              f"{c['prompts']} prompts, seed {c['seed']}; contenders interleaved prompt by prompt in one process "
-             f"after a warm-up. Speedup = median over prompts of tokens/s ÷ `ar` tokens/s on the same prompt. "
+             f"after a warm-up. Speedup = median over prompts of tokens/s ÷ `ar` tokens/s on the same prompt; "
+             f"pooled tok/s = all new tokens ÷ all wall seconds; geo-mean speedup = geometric mean of the "
+             f"per-prompt ratios (steadier than the median when sampled texts differ). "
              f"τ = new tokens per target forward (prefill included). A divergence from `ar` is a near-tie when "
              f"the target's logits of the two tokens differ by ≤ {c['tie_margin']}.", ""]
     if "command" in c:

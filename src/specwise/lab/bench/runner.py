@@ -62,6 +62,11 @@ class Summary:
     near_tie_divergences: int | None
     other_divergences: int | None
     steps_by_method: dict[str, int] = field(default_factory=dict)  # verification steps each method proposed
+    # every prompt pooled: new tokens over wall seconds, and the geometric mean of the per-prompt
+    # speedups (a sampled run writes different texts per contender, so its per-prompt ratios scatter
+    # and the median of a few of them is a noisy statistic)
+    pooled_tokens_per_second: float | None = None
+    geomean_speedup: float | None = None
 
 
 @dataclass
@@ -181,6 +186,11 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _geometric_mean(values: list[float]) -> float | None:
+    positive = [v for v in values if v > 0]
+    return statistics.geometric_mean(positive) if positive else None
+
+
 def summarize(records: Sequence[RunRecord], names: Sequence[str], greedy: bool) -> dict[str, list[Summary]]:
     """Per-category and overall summaries (medians over prompts)."""
     groups: dict[str, list[RunRecord]] = {"overall": list(records)}
@@ -218,7 +228,14 @@ def _summarize_one(name: str, rows: list[RunRecord], baseline_tps: dict[str, flo
         near_tie_divergences=len(near) if compared else None,
         other_divergences=len(diverged) - len(near) if compared else None,
         steps_by_method=_steps_by_method(rows),
+        pooled_tokens_per_second=_pooled_rate(rows),
+        geomean_speedup=_geometric_mean(ratios),
     )
+
+
+def _pooled_rate(rows: list[RunRecord]) -> float | None:
+    wall = sum(r.wall_time_s for r in rows)
+    return sum(r.new_tokens for r in rows) / wall if wall > 0 else None
 
 
 def _steps_by_method(rows: list[RunRecord]) -> dict[str, int]:

@@ -200,7 +200,7 @@ class DraftOptions(TrainOptions):
 def train_draft(job: TrainingJob, options: DraftOptions) -> Path:
     """Distil a draft LM (:class:`DraftLMRecipe`) and write its checkpoint to ``job.out``."""
 
-    features = featurize(job, options.top_k, options.draft_vocab_size)
+    features = featurize(job, options.top_k, options.draft_vocab_size, init_from=options.init_from)
     data = DraftRecipeConfig(batch_tokens=options.batch_tokens, loss_on=options.loss_on, distill=options.distill_loss())
     recipe = DraftLMRecipe(job.corpus, features.vocab, data)
     job.say(f"training on {recipe.train_tokens} tokens ({len(recipe.train_examples)} sequences), "

@@ -245,7 +245,8 @@ def train_medusa(job: TrainingJob, options: MedusaOptions) -> Path:
     """
 
     layer = final_hidden_layer(job.target)
-    features = featurize(job, options.top_k, options.draft_vocab_size, (layer,), taps_features_dir(job.corpus, (layer,)))
+    features = featurize(job, options.top_k, options.draft_vocab_size, (layer,), taps_features_dir(job.corpus, (layer,)),
+                         init_from=options.init_from)
     data = MedusaRecipeConfig(batch_tokens=options.batch_tokens, loss_on=options.loss_on,
                               distill=options.distill_loss())
     recipe = MedusaRecipe(job.corpus, features.vocab, layer, options.num_heads, data, features.directory)

@@ -38,7 +38,8 @@ def tapped_features(job: TrainingJob, options: TappedOptions) -> tuple[tuple[int
     """``(feature layers, features)``: the features pass with the hidden states of
     ``options.feature_layers`` (else the default taps for the target's depth)."""
     layers = feature_layers(job.target, options.feature_layers)
-    features = featurize(job, options.top_k, options.draft_vocab_size, layers, taps_features_dir(job.corpus, layers))
+    features = featurize(job, options.top_k, options.draft_vocab_size, layers, taps_features_dir(job.corpus, layers),
+                         init_from=options.init_from)
     return layers, features
 
 
