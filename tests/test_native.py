@@ -19,7 +19,7 @@ from gguf.quants import dequantize
 import specwise
 from conftest import RandomDrafter, assert_distribution, make_model, make_tokenizer, repetitive_prompt
 from specwise.engine.native.blocks import BLOCK_SIZES, GROUP, Affine, affine_from_blocks, planes_from_affine
-from specwise.engine.native.modules import Int8Linear, PackedEmbedding, PackedLinear, int8_rows
+from specwise.engine.native.modules import ALIGNMENT, Int8Linear, PackedEmbedding, PackedLinear, int8_rows
 from specwise.engine.native.weights import check_weights, native_supported, weights_of
 from specwise.engine.target import Target
 from specwise.errors import ConfigError
@@ -92,6 +92,24 @@ def test_int8_rows_move_each_value_by_at_most_half_a_step():
     assert float((layer.weight - torch.from_numpy(weight)).abs().max()) <= float(scale.max()) / 2 + 1e-7
     x = torch.randn(3, 64)
     torch.testing.assert_close(layer(x), x @ layer.weight.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_layer_takes_operands_that_start_off_the_kernels_alignment(dtype):
+    """A weight mapped from a file and an input sliced from a larger tensor start anywhere; torch's
+    AVX-512 int8 kernel crashes the process on such operands, so the layer hands it aligned copies."""
+    weight = np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32)
+    codes, scale = int8_rows(weight)
+    flat = torch.zeros(codes.numel() + 8, dtype=torch.int8)
+    flat[8:] = codes.reshape(-1)
+    layer = Int8Linear(flat[8:].view(32, 64), scale, None, dtype)  # starts 8 bytes off
+    assert layer.codes.data_ptr() % ALIGNMENT == 0
+    wide = torch.randn(3 * 64 + 3).to(dtype)
+    x = wide[3:].view(3, 64)  # starts 3 elements off
+    assert x.data_ptr() % ALIGNMENT
+    torch.testing.assert_close(layer(x), layer(x.clone()), rtol=0, atol=0)
+    layer.codes = flat[8:].view(32, 64)  # a state loaded by assignment
+    torch.testing.assert_close(layer(x), layer(x.clone()), rtol=0, atol=0)
 
 
 def test_packed_embedding_looks_up_exact_rows():

@@ -19,6 +19,16 @@ from torch import nn
 
 from specwise.engine.native.blocks import GROUP, Affine, Planes
 
+#: bytes: torch's AVX-512 int8 kernel (``_weight_int8pack_mm``) reads its input and its codes with
+#: aligned vector loads and crashes the process on an operand that starts elsewhere (a tensor
+#: mapped from a file, a slice of a larger one); torch's own allocations start on this boundary
+ALIGNMENT = 64
+
+
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself if its data starts on an :data:`ALIGNMENT` boundary, else a copy that does."""
+    return tensor if tensor.data_ptr() % ALIGNMENT == 0 else tensor.clone()
+
 
 class PackedLinear(nn.Module):
     """``y = x W^T (+ b)`` with W held as 4-bit planes.
@@ -141,13 +151,15 @@ class Int8Linear(nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features, self.in_features = (int(s) for s in codes.shape)
-        self.register_buffer("codes", codes.to(torch.int8).contiguous())
+        self.register_buffer("codes", aligned(codes.to(torch.int8).contiguous()))
         self.register_buffer("row_scale", scale.to(dtype).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype).clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., K] -> [..., N]`` in the activation dtype."""
-        rows = x.reshape(-1, self.in_features).to(self.row_scale.dtype).contiguous()
+        rows = aligned(x.reshape(-1, self.in_features).to(self.row_scale.dtype).contiguous())
+        if self.codes.data_ptr() % ALIGNMENT:  # replaced since (a state loaded by assignment)
+            self.codes = aligned(self.codes)
         out = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.row_scale)
         if self.bias is not None:
             out = out + self.bias
