@@ -140,6 +140,27 @@ def test_auto_remembers_across_generations_and_skips_the_probes():
     assert sampled.stats.method_steps[0] == ["ar", PROBE]  # another regime: probed afresh
 
 
+def test_a_text_hard_for_every_drafter_does_not_make_them_trade_places():
+    """Two drafters measured before (the first faster), both doing half as well on this text: the
+    segments here are judged against what was known before it, so auto stays with the faster one
+    (its segments go into the profile for later generations, not into the standard it is judged by)."""
+    target, prompt, continuation = _setup()
+    clock = FakeClock()
+    profile = AutoProfile(None)
+    for spec, tokens, seconds in (("ar", 1.0, 1.0), ("fast", 5.0, 1.1), ("slower", 5.0, 1.2)):
+        profile.get("greedy", spec).update(tokens, seconds, 100, 1.0)
+    hard = range(1, NEW, 2)  # every other draft wrong: 2 tokens a step instead of 5
+    fast = OracleDrafter(continuation, prompt.numel(), 4, mismatch_at=hard)
+    slower = OracleDrafter(continuation, prompt.numel(), 4, mismatch_at=hard)
+    auto = AutoDrafter(None, AutoConfig(remember=False, probe_steps=4, decide_every=4), clock=clock, profile=profile,
+                       candidates={"ar": Costly(_ar(target), clock, 1.0), "fast": Costly(fast, clock, 1.1),
+                                   "slower": Costly(slower, clock, 1.2)})
+    result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
+    assert result.token_ids == list(continuation)
+    assert result.stats.method_steps == [["fast", result.stats.target_forwards - 1]]
+    assert profile.get("greedy", "fast").tokens < 4.0  # ... and the profile learned from this text
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_switching_rebuilds_stateful_drafters_from_the_committed_context(arch):
     """Probing goes ar -> eagle -> medusa mid-generation: EAGLE's head cache and Medusa's state are

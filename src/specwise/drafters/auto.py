@@ -27,7 +27,7 @@ their ``prefill``, and a draft model re-reads the context on its next ``propose`
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -192,6 +192,7 @@ class AutoDrafter(Drafter):
         self._segment_length = 0  # steps the current segment runs before the next decision
         self._first_step = False  # the next step is the running candidate's first since it started
         self._rebuild_s: float | None = None  # how long its prefill took (None: at the generation's start)
+        self._known: dict[str, Estimate] = {}  # the candidates' estimates as they stood before this generation
 
     @property
     def active_method(self) -> str:
@@ -199,6 +200,11 @@ class AutoDrafter(Drafter):
 
     def prefill(self, ctx: DraftContext) -> None:
         self._mode = regime(ctx.sampling)
+        # decisions in this generation compare this text with the texts before it: the segments
+        # measured here go into the profile for later generations, not into the standard they are
+        # judged against (a hard text lowers the running drafter's remembered speed segment by
+        # segment, and against that moving standard drafters traded places on every decision)
+        self._known = {spec: replace(self.profile.get(self._mode, spec)) for spec in self.candidates}
         self._keep_hidden(ctx.hidden_states)
         self._switch(self._choose(None), ctx)
 
@@ -262,10 +268,13 @@ class AutoDrafter(Drafter):
         another beats that by ``margin`` with its rebuild counted.
         """
         cfg = self.config
-        estimates = {spec: self.profile.get(self._mode, spec) for spec in self.candidates}
-        for spec, estimate in estimates.items():
+        live = {spec: self.profile.get(self._mode, spec) for spec in self.candidates}
+        for spec, estimate in live.items():
             if estimate.steps < cfg.probe_steps:
                 return spec
+        # what was known before this generation, where that includes a probe (else the probe here)
+        estimates = {spec: known if known.steps >= cfg.probe_steps else live[spec]
+                     for spec, known in self._known.items()} if self._known else live
         current = self.active
         recent = self._last_segment
         measured = current is not None and recent.steps >= cfg.probe_steps
