@@ -33,7 +33,15 @@ from typing import Callable
 import torch
 
 from specwise.drafters.auto_profile import MEMORY, AutoProfile, Estimate, profile_path, regime
-from specwise.drafters.base import Drafter, MethodConfig, check_flag, check_int, check_probability, register_drafter
+from specwise.drafters.base import (
+    METHODS,
+    Drafter,
+    MethodConfig,
+    check_flag,
+    check_int,
+    check_probability,
+    register_drafter,
+)
 from specwise.drafters.spec import split_spec, split_specs
 from specwise.engine.loading import default_cache_dir
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
@@ -88,7 +96,6 @@ def build_candidates(target, config: AutoConfig) -> dict[str, Drafter]:
             default candidate that cannot, such as a trained method with nothing shipped for the
             target, is left out instead).
     """
-    from specwise.drafters.base import METHODS  # the registry is complete once the package is imported
 
     explicit = config.candidates is not None
     specs = split_specs(config.candidates) if explicit else list(DEFAULT_CANDIDATES)

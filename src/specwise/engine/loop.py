@@ -96,7 +96,6 @@ def speculative_generate(
         proposal = drafter.propose(DraftContext(token_ids=committed[:length], max_draft_tokens=budget,
                                                 sampling=sampling, generator=generator, cache_length=cache.length))
         # 2.-4. verify in one target forward, accept, keep the accepted path in the cache
-        stats.record_method(drafter.active_method)
         t1 = clock.now()
         step = verify_proposal(target, cache, committed[:length], proposal, budget=budget, sampling=sampling,
                                generator=generator, hidden_layers=layers)
@@ -105,7 +104,7 @@ def speculative_generate(
         committed[length: length + len(new)] = torch.tensor(new, dtype=torch.long)
         length += len(new)
         emitted = output.commit(new)
-        stats.record_step(num_drafted=step.num_drafted, num_accepted=len(step.accepted), depth=step.depth)
+        stats.record_step(step.num_drafted, len(step.accepted), depth=step.depth, method=drafter.active_method)
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += t2 - t1
         _stream(emitted, streamer)

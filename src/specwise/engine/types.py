@@ -183,7 +183,8 @@ class SpecStats:
         else:
             self.method_steps.append([method, 1])
 
-    def record_step(self, num_drafted: int, num_accepted: int, depth: int | None = None) -> None:
+    def record_step(self, num_drafted: int, num_accepted: int, depth: int | None = None,
+                    method: str | None = None) -> None:
         """Add one verification step's counts.
 
         Args:
@@ -191,7 +192,10 @@ class SpecStats:
             num_accepted: accepted draft tokens (the bonus token excluded).
             depth: for trees, the deepest draft position (a chain's depth is ``num_drafted``);
                 acceptance by position counts steps that drafted at least that deep.
+            method: the method that proposed the step (:meth:`record_method`), if known.
         """
+        if method is not None:
+            self.record_method(method)
         depth = num_drafted if depth is None else depth
         self.target_forwards += 1
         self.drafted_tokens += num_drafted

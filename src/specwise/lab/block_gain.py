@@ -21,9 +21,11 @@ from pathlib import Path
 
 import torch
 
+from specwise import build_drafter, generate, load_target
 from specwise.engine.acceptance import ExactAcceptance
 from specwise.engine.drafter import Drafter
 from specwise.engine.verify import speculative_sample
+from specwise.prompts import is_held_out, load_prompts, take_per_category
 
 _EPS = 1e-12
 
@@ -101,8 +103,6 @@ class _WithRule(Drafter):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specwise import build_drafter, generate, load_target
-    from specwise.prompts import is_held_out, load_prompts, take_per_category
 
     parser = argparse.ArgumentParser(prog="python -m specwise.lab.block_gain", description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="gemma-3-270m")

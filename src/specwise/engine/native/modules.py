@@ -25,6 +25,19 @@ from specwise.engine.native.blocks import GROUP, Affine, Planes
 ALIGNMENT = 64
 
 
+#: input rows above which an int8 layer multiplies by a dense bfloat16 copy of its weight on AVX-512:
+#: torch's int8 kernel reads the whole weight again for every 4 rows, so its cost grows with the rows
+#: (a verification forward of a draft tree has 10-30), while a dense product reads the weight once;
+#: measured in docs/native.md (the LM head of a 262k vocabulary dominates a tree's verification)
+DENSE_ROWS = 8
+
+
+def _dense_for_many_rows() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 builds of torch's kernels; measured
+    faster there for many rows; on AVX2 only the int8 kernel is used, as before)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
+
+
 def aligned(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself if its data starts on an :data:`ALIGNMENT` boundary, else a copy that does."""
     return tensor if tensor.data_ptr() % ALIGNMENT == 0 else tensor.clone()
@@ -154,10 +167,17 @@ class Int8Linear(nn.Module):
         self.register_buffer("codes", aligned(codes.to(torch.int8).contiguous()))
         self.register_buffer("row_scale", scale.to(dtype).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype).clone())
+        self._dense: tuple[int, torch.Tensor] | None = None  # (codes' address, their dense copy), on first use
+        self._dense_rows = DENSE_ROWS if dtype == torch.bfloat16 and _dense_for_many_rows() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., K] -> [..., N]`` in the activation dtype."""
         rows = aligned(x.reshape(-1, self.in_features).to(self.row_scale.dtype).contiguous())
+        if self._dense_rows is not None and rows.shape[0] > self._dense_rows:
+            if self._dense is None or self._dense[0] != self.codes.data_ptr():
+                self._dense = (self.codes.data_ptr(), self.weight)
+            out = rows @ self._dense[1].T
+            return (out if self.bias is None else out + self.bias).reshape(*x.shape[:-1], self.out_features)
         if self.codes.data_ptr() % ALIGNMENT:  # replaced since (a state loaded by assignment)
             self.codes = aligned(self.codes)
         out = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.row_scale)
