@@ -35,7 +35,7 @@ DENSE_ROWS = 8
 def _dense_for_many_rows() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX-512 builds of torch's kernels; measured
     faster there for many rows; on AVX2 only the int8 kernel is used, as before)."""
-    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def aligned(tensor: torch.Tensor) -> torch.Tensor:
