@@ -19,6 +19,7 @@ from gguf.quants import dequantize
 import specwise
 from conftest import RandomDrafter, assert_distribution, make_model, make_tokenizer, repetitive_prompt
 from specwise.engine.native.blocks import BLOCK_SIZES, GROUP, Affine, affine_from_blocks, planes_from_affine
+import specwise.engine.native.modules as native_modules
 from specwise.engine.native.modules import ALIGNMENT, Int8Linear, PackedEmbedding, PackedLinear, int8_rows
 from specwise.engine.native.weights import check_weights, native_supported, weights_of
 from specwise.engine.target import Target
@@ -92,6 +93,24 @@ def test_int8_rows_move_each_value_by_at_most_half_a_step():
     assert float((layer.weight - torch.from_numpy(weight)).abs().max()) <= float(scale.max()) / 2 + 1e-7
     x = torch.randn(3, 64)
     torch.testing.assert_close(layer(x), x @ layer.weight.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_int8_layer_multiplies_many_rows_by_its_dense_copy_where_that_pays(monkeypatch, streamed):
+    """On AVX-512 a bf16 int8 layer switches to its dense copy above DENSE_ROWS input rows, or above
+    DENSE_ROWS_STREAMED for a weight too large to stay in cache; both paths give the same product
+    within bf16 rounding."""
+    monkeypatch.setattr(native_modules, "_dense_for_many_rows", lambda: True)
+    monkeypatch.setattr(native_modules, "STREAMED_WEIGHT", 32 * 64 if streamed else 1 << 30)
+    weight = np.random.default_rng(2).standard_normal((32, 64)).astype(np.float32)
+    codes, scale = int8_rows(weight)
+    layer = Int8Linear(codes, scale, None, torch.bfloat16)
+    threshold = native_modules.DENSE_ROWS_STREAMED if streamed else native_modules.DENSE_ROWS
+    for rows in (1, threshold, threshold + 1, 12):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        out = layer(x)
+        assert (layer._dense is not None) == (rows > threshold)  # built on the first many-row product
+        torch.testing.assert_close(out.float(), x.float() @ layer.weight.float().T, rtol=2e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

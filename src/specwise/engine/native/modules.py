@@ -30,6 +30,11 @@ ALIGNMENT = 64
 #: (a verification forward of a draft tree has 10-30), while a dense product reads the weight once;
 #: measured in docs/native.md (the LM head of a 262k vocabulary dominates a tree's verification)
 DENSE_ROWS = 8
+#: a weight of at least this many elements does not stay in the CPU's caches between the kernel's
+#: passes, so each pass streams it from memory again and the dense product wins from the second
+#: pass (more than 4 rows) on; smaller weights are re-read from cache and keep :data:`DENSE_ROWS`
+STREAMED_WEIGHT = 1 << 24
+DENSE_ROWS_STREAMED = 4
 
 
 def _dense_for_many_rows() -> bool:
@@ -168,7 +173,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("row_scale", scale.to(dtype).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype).clone())
         self._dense: tuple[int, torch.Tensor] | None = None  # (codes' address, their dense copy), on first use
-        self._dense_rows = DENSE_ROWS if dtype == torch.bfloat16 and _dense_for_many_rows() else None
+        streamed = self.out_features * self.in_features >= STREAMED_WEIGHT
+        self._dense_rows = ((DENSE_ROWS_STREAMED if streamed else DENSE_ROWS)
+                            if dtype == torch.bfloat16 and _dense_for_many_rows() else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., K] -> [..., N]`` in the activation dtype."""
