@@ -22,7 +22,7 @@ from specwise.api import load_drafter
 from specwise.cli import build_parser
 from specwise.drafters.checkpoint import DrafterCheckpoint, load_checkpoint, save_checkpoint, target_fingerprint
 from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter, load_draft_lm
-from specwise.errors import ConfigError, DrafterError
+from specwise.errors import ConfigError, DrafterError, PromptError
 from specwise.models.draft_lm import DraftLM, DraftLMConfig
 from specwise.prompts import PromptRecord, is_held_out
 from specwise.training.acceptance import replay_chain
@@ -107,6 +107,21 @@ def test_corpus_stops_at_eos_and_refuses_held_out_only_input(tmp_path):
     held = [r for r in (PromptRecord(f"h/{i}", "h", "t5") for i in range(200)) if is_held_out(r)]
     with pytest.raises(ConfigError, match="held-out"):
         build_corpus(target, held, tmp_path / "d")
+
+
+def test_a_chat_corpus_continues_each_prompt_as_a_user_message(tmp_path):
+    target = make_target("llama")
+    target.tokenizer.chat_template = ("{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}"
+                                      "{% if add_generation_prompt %}t5 {% endif %}")
+    records = [r for r in _records() if not is_held_out(r)][:2]
+    build_corpus(target, records, tmp_path / "c", CorpusConfig(new_tokens=4, chat=True))
+    for seq in iter_corpus(tmp_path / "c"):
+        record = next(r for r in records if r.id == seq.id)
+        expected = target.encode_chat([{"role": "user", "content": record.prompt}]).cpu()
+        assert torch.equal(seq.tokens[: seq.prompt_length], expected)
+    target.tokenizer.chat_template = None
+    with pytest.raises(PromptError, match="chat template"):
+        build_corpus(target, records, tmp_path / "d", CorpusConfig(new_tokens=4, chat=True))
 
 
 # -------------------------------------------------------------------------------------- features

@@ -54,6 +54,8 @@ def add_data_args(p: argparse.ArgumentParser, default_target: str) -> None:
     build.add_argument("--text-only-prompts", type=int, default=0, help="further prompts kept as text only")
     build.add_argument("--max-prompt-tokens", type=int, default=1024)
     build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--chat", action="store_true",
+                       help="send each prompt as a user message through the target's chat template")
     build.add_argument("--dtype", default="bfloat16")
     build.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
     build.add_argument("--device", default=None)
@@ -66,6 +68,7 @@ def cmd_data_build(args: argparse.Namespace) -> int:
         new_tokens=args.new_tokens, batch_size=args.batch_size, sampled_fraction=args.sampled_fraction,
         temperature=args.temperature, max_prompt_tokens=args.max_prompt_tokens,
         continued_prompts=args.continued_prompts, text_only_prompts=args.text_only_prompts, seed=args.seed,
+        chat=args.chat,
     )
     records = load_prompts(_expand(args.data))
     keep_freed_memory()

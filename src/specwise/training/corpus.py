@@ -50,6 +50,7 @@ class CorpusConfig:
     continued_prompts: int | None = None  # how many prompts get continuations (None: all)
     text_only_prompts: int = 0  # further prompts kept as text only (labelled later)
     seed: int = 0  # shuffling and sampling seed
+    chat: bool = False  # each prompt as one user message through the target's chat template
 
     def __post_init__(self) -> None:
         if self.new_tokens < 1 or self.batch_size < 1 or self.max_prompt_tokens < 1:
@@ -129,7 +130,7 @@ def build_corpus(
     if todo_text:
         seqs = []
         for record in todo_text:
-            ids = target.encode(record.prompt).cpu()
+            ids = _prompt_ids(target, record, config)
             if ids.numel() <= config.max_prompt_tokens:
                 seqs.append(Sequence(record.id, ids, ids.numel(), "text"))
         _write_shard(out / f"shard-{shard_index:05d}.safetensors", seqs)
@@ -166,11 +167,24 @@ def _split_prompts(records: list[PromptRecord], config: CorpusConfig) -> tuple[l
     return text_only, continued
 
 
+def _prompt_ids(target, record: PromptRecord, config: CorpusConfig) -> torch.Tensor:
+    """``[T]`` long ids of a prompt: the raw text, or with ``config.chat`` one user message through
+    the target's chat template with the assistant's turn opened (what a chat user sends; the
+    continuation is then the assistant's reply and ends at the end-of-turn token).
+
+    Raises:
+        PromptError: ``config.chat`` and the target has no chat template.
+    """
+    if config.chat:
+        return target.encode_chat([{"role": "user", "content": record.prompt}]).cpu()
+    return target.encode(record.prompt).cpu()
+
+
 def _prompt_batches(target, todo: list[PromptRecord], config: CorpusConfig) -> list[list]:
     """Generation batches of ``(record, prompt ids)``, prompts over ``max_prompt_tokens`` skipped."""
     encoded = []
     for record in todo:
-        ids = target.encode(record.prompt).cpu()
+        ids = _prompt_ids(target, record, config)
         if ids.numel() <= config.max_prompt_tokens:
             encoded.append((record, ids))
     # batches of similar prompt length waste less padding; batches are taken in dealt order of
