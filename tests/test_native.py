@@ -17,9 +17,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 import specwise
+import specwise.engine.native.modules as native_modules
 from conftest import RandomDrafter, assert_distribution, make_model, make_tokenizer, repetitive_prompt
 from specwise.engine.native.blocks import BLOCK_SIZES, GROUP, Affine, affine_from_blocks, planes_from_affine
-import specwise.engine.native.modules as native_modules
 from specwise.engine.native.modules import ALIGNMENT, Int8Linear, PackedEmbedding, PackedLinear, int8_rows
 from specwise.engine.native.weights import check_weights, native_supported, weights_of
 from specwise.engine.target import Target
