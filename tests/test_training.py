@@ -22,7 +22,7 @@ from specwise.api import load_drafter
 from specwise.cli import build_parser
 from specwise.drafters.checkpoint import DrafterCheckpoint, load_checkpoint, save_checkpoint, target_fingerprint
 from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter, load_draft_lm
-from specwise.errors import ConfigError, DrafterError, PromptError
+from specwise.errors import ConfigError, DrafterError
 from specwise.models.draft_lm import DraftLM, DraftLMConfig
 from specwise.prompts import PromptRecord, is_held_out
 from specwise.training.acceptance import replay_chain
@@ -120,7 +120,7 @@ def test_a_chat_corpus_continues_each_prompt_as_a_user_message(tmp_path):
         expected = target.encode_chat([{"role": "user", "content": record.prompt}]).cpu()
         assert torch.equal(seq.tokens[: seq.prompt_length], expected)
     target.tokenizer.chat_template = None
-    with pytest.raises(PromptError, match="chat template"):
+    with pytest.raises(ConfigError, match="no chat template: build its corpus without --chat"):
         build_corpus(target, records, tmp_path / "d", CorpusConfig(new_tokens=4, chat=True))
 
 

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from specwise.errors import ConfigError
+from specwise.errors import ConfigError, PromptError
 from specwise.prompts import PromptRecord, is_held_out
 
 SHARD_GLOB = "shard-*.safetensors"
@@ -173,11 +173,14 @@ def _prompt_ids(target, record: PromptRecord, config: CorpusConfig) -> torch.Ten
     continuation is then the assistant's reply and ends at the end-of-turn token).
 
     Raises:
-        PromptError: ``config.chat`` and the target has no chat template.
+        ConfigError: ``config.chat`` and the target has no chat template.
     """
-    if config.chat:
+    if not config.chat:
+        return target.encode(record.prompt).cpu()
+    try:
         return target.encode_chat([{"role": "user", "content": record.prompt}]).cpu()
-    return target.encode(record.prompt).cpu()
+    except PromptError:
+        raise ConfigError(f"target {target.name} has no chat template: build its corpus without --chat.") from None
 
 
 def _prompt_batches(target, todo: list[PromptRecord], config: CorpusConfig) -> list[list]:
