@@ -371,7 +371,8 @@ def test_a_full_queue_is_503(model_dir):
                 while httpx.get(f"{server.url}/health").json()["waiting"] < 1 and time.monotonic() < deadline:
                     time.sleep(0.01)
                 refused = httpx.post(f"{server.url}/v1/completions", json={**long, "stream": False}, timeout=60)
-                "\n".join(lines)
+                for _ in lines:  # let the running request finish before the next round
+                    pass
             waiting.join()
             if refused.status_code != 200:
                 break

@@ -122,6 +122,7 @@ def test_a_chat_corpus_continues_each_prompt_as_a_user_message(tmp_path):
     target.tokenizer.chat_template = None
     with pytest.raises(ConfigError, match="no chat template: build its corpus without --chat"):
         build_corpus(target, records, tmp_path / "d", CorpusConfig(new_tokens=4, chat=True))
+    assert not (tmp_path / "d").exists()  # refused before anything is written
 
 
 # -------------------------------------------------------------------------------------- features

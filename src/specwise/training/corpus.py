@@ -32,7 +32,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from specwise.errors import ConfigError, PromptError
+from specwise.engine.chat import has_chat_template
+from specwise.errors import ConfigError
 from specwise.prompts import PromptRecord, is_held_out
 
 SHARD_GLOB = "shard-*.safetensors"
@@ -117,8 +118,11 @@ def build_corpus(
         ``out_dir`` as a Path.
 
     Raises:
-        ConfigError: no usable training prompts.
+        ConfigError: no usable training prompts, or ``config.chat`` for a target without a chat
+            template (refused before anything is written).
     """
+    if config.chat and not has_chat_template(target.tokenizer):
+        raise ConfigError(f"target {target.name} has no chat template: build its corpus without --chat.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda message: None)
@@ -173,14 +177,11 @@ def _prompt_ids(target, record: PromptRecord, config: CorpusConfig) -> torch.Ten
     continuation is then the assistant's reply and ends at the end-of-turn token).
 
     Raises:
-        ConfigError: ``config.chat`` and the target has no chat template.
+        PromptError: the chat template refused the message.
     """
-    if not config.chat:
-        return target.encode(record.prompt).cpu()
-    try:
+    if config.chat:
         return target.encode_chat([{"role": "user", "content": record.prompt}]).cpu()
-    except PromptError:
-        raise ConfigError(f"target {target.name} has no chat template: build its corpus without --chat.") from None
+    return target.encode(record.prompt).cpu()
 
 
 def _prompt_batches(target, todo: list[PromptRecord], config: CorpusConfig) -> list[list]:
