@@ -52,10 +52,12 @@ from specwise.errors import ConfigError, DrafterError
 #: on average for one unlucky segment costs more than staying
 EVIDENCE = 2.0
 
-#: optimism for a candidate measured over few steps: its remembered speed counts this much more after
-#: ``probe_steps`` measured steps, shrinking as 1 / sqrt(steps) (UCB-style), so a candidate that one
-#: unlucky probe made look slower is tried again while its estimate is still uncertain
-EXPLORE = 0.1
+#: optimism for a candidate not running: it is predicted at the upper end of its remembered speed,
+#: this many standard errors of its mean tokens per step above it (UCB-style, the same allowance the
+#: running method's segment gets), so one that an unlucky probe made look slower is tried again while
+#: its measurement is that uncertain; the error shrinks as 1 / sqrt(steps), down to what the moving
+#: average remembers (``decide_every / MEMORY`` steps)
+EXPLORE = 2.0
 
 #: the candidates by default, in probing order: every method that runs on the target (a trained
 #: drafter only where one ships for it, or its default draft model exists)
@@ -153,7 +155,9 @@ class Segment:
 
     def estimate(self) -> Estimate:
         """Means per step, as an :class:`Estimate`."""
-        return Estimate(self.tokens / self.steps, self.seconds / self.steps, self.steps) if self.steps else Estimate()
+        if not self.steps:
+            return Estimate()
+        return Estimate(self.tokens / self.steps, self.seconds / self.steps, self.steps, self.squares / self.steps)
 
 
 @register_drafter("auto", AutoConfig, "picks the method per request from measured speed, re-deciding as "
@@ -257,7 +261,8 @@ class AutoDrafter(Drafter):
         """End the segment: remember what it measured, then keep the running candidate or switch."""
         if self._segment.steps:
             measured = self._segment.estimate()
-            self.profile.get(self._mode, self.active).update(measured.tokens, measured.seconds, measured.steps, MEMORY)
+            self.profile.get(self._mode, self.active).update(measured.tokens, measured.seconds, measured.steps, MEMORY,
+                                                             measured.squares)
             self.profile.save()
         self._last_segment = self._segment
         choice = self._choose(ctx)
@@ -290,10 +295,11 @@ class AutoDrafter(Drafter):
         difficulty = 1.0
         if measured and not _plain(current) and estimates[current].rate > 0:
             difficulty = (recent.rate + EVIDENCE * recent.rate_error) / estimates[current].rate
+        horizon = int(cfg.decide_every / MEMORY)
         rates = {}
         for spec, estimate in estimates.items():
-            optimism = 1.0 + EXPLORE * (cfg.probe_steps / estimate.steps) ** 0.5 if spec != current else 1.0
-            rates[spec] = estimate.rate * optimism * (1.0 if _plain(spec) else difficulty)
+            rate = estimate.rate if spec == current else estimate.upper_rate(EXPLORE, horizon)
+            rates[spec] = rate * (1.0 if _plain(spec) else difficulty)
         rates.update(self._this_text)
         if measured:  # this text, at the upper end of the segment's scatter
             rates[current] = recent.rate + EVIDENCE * recent.rate_error

@@ -25,6 +25,9 @@ import torch
 #: segments of every generation: recent requests count most, one odd text does not erase the rest)
 MEMORY = 0.1
 
+#: the file's layout; a file of another (older) layout is measured afresh rather than misread
+VERSION = 2
+
 
 @dataclass
 class Estimate:
@@ -34,22 +37,43 @@ class Estimate:
         tokens: mean tokens emitted per verification step (τ of the steps, bonus token included).
         seconds: mean wall seconds per step.
         steps: steps the estimate has seen (all generations together).
+        squares: mean of the squared tokens per step (with ``tokens``, their scatter); ``tokens**2``
+            when only means were measured.
     """
 
     tokens: float = 0.0
     seconds: float = 0.0
     steps: int = 0
+    squares: float = 0.0
 
     @property
     def rate(self) -> float:
         """Tokens per second (0 before any measurement)."""
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def update(self, tokens: float, seconds: float, steps: int, weight: float) -> None:
-        """Blend in a measurement of ``steps`` steps (means per step) with ``weight`` (1 = replace)."""
+    @property
+    def spread(self) -> float:
+        """Standard deviation of the tokens per step (0 when only means were measured)."""
+        return max(0.0, self.squares - self.tokens * self.tokens) ** 0.5
+
+    def upper_rate(self, evidence: float, horizon: int) -> float:
+        """Tokens per second at the upper end of what the measurement allows: ``evidence`` standard
+        errors of the mean tokens per step above it, over at most ``horizon`` steps (what the
+        moving average still remembers). 0 before any measurement."""
+        if self.seconds <= 0 or self.steps <= 0:
+            return 0.0
+        error = self.spread / min(self.steps, max(horizon, 1)) ** 0.5
+        return (self.tokens + evidence * error) / self.seconds
+
+    def update(self, tokens: float, seconds: float, steps: int, weight: float,
+               squares: float | None = None) -> None:
+        """Blend in a measurement of ``steps`` steps (means per step, ``squares`` the mean squared
+        tokens per step, default ``tokens**2``) with ``weight`` (1 = replace)."""
         weight = 1.0 if self.steps == 0 else weight
+        squares = tokens * tokens if squares is None else squares
         self.tokens += weight * (tokens - self.tokens)
         self.seconds += weight * (seconds - self.seconds)
+        self.squares += weight * (squares - self.squares)
         self.steps += steps
 
 
@@ -79,10 +103,12 @@ class AutoProfile:
         if path is not None:
             try:
                 data = json.loads(path.read_text())
+                if data.get("version") != VERSION:
+                    raise ValueError("another layout")
                 for key, value in data.get("estimates", {}).items():
                     mode, _, spec = key.partition("|")
                     self.estimates[mode, spec] = Estimate(float(value["tokens"]), float(value["seconds"]),
-                                                          int(value["steps"]))
+                                                          int(value["steps"]), float(value["squares"]))
             except (OSError, ValueError, KeyError, TypeError):
                 self.estimates = {}  # no file yet, or an unreadable one: measure afresh
 
@@ -95,7 +121,7 @@ class AutoProfile:
         a cache that cannot be written is skipped silently (the estimates stay in memory)."""
         if self.path is None:
             return
-        data = {"estimates": {f"{mode}|{spec}": vars(e) for (mode, spec), e in sorted(self.estimates.items())}}
+        data = {"version": VERSION, "estimates": {f"{mode}|{spec}": vars(e) for (mode, spec), e in sorted(self.estimates.items())}}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".auto-", suffix=".json")
