@@ -459,6 +459,16 @@ def test_warm_start_loads_a_trained_head_and_refuses_what_does_not_fit(tmp_path)
         torch.testing.assert_close(value, rounded[name], rtol=0, atol=0)
     with pytest.raises(DrafterError, match="holds a 'eagle' drafter, not a 'dflash' one"):
         warm_start(fresh, path, "dflash", trained.vocab, target)
+    # a checkpoint written before an architecture entry existed loads with its default: it fits too
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    for later in ("hidden_act", "norm_before_residual", "own_embeddings"):
+        del config["architecture"][later]
+    config_file.write_text(json.dumps(config))
+    warm_start(fresh, path, "eagle", trained.vocab, target)
+    silu = EagleHead(target, replace(trained.config, hidden_act="silu"), trained.vocab)
+    with pytest.raises(DrafterError, match="architecture differs in hidden_act"):
+        warm_start(silu, path, "eagle", trained.vocab, target)
     wider = EagleHead(target, replace(trained.config, intermediate_size=trained.config.intermediate_size * 2),
                       trained.vocab)
     with pytest.raises(DrafterError, match="architecture differs in intermediate_size"):

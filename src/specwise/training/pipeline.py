@@ -161,6 +161,14 @@ def featurize(job: TrainingJob, top_k: int, size: int, layers: tuple[int, ...] =
 _INIT_ONLY = frozenset({"init_layers"})
 
 
+def _config_defaults(model: torch.nn.Module) -> dict[str, Any]:
+    """The defaults of ``model.config``'s fields (its architecture dataclass), by name."""
+    config = getattr(model, "config", None)
+    if not dataclasses.is_dataclass(config):
+        return {}
+    return {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
+
+
 def warm_start(model: torch.nn.Module, path: str | Path, method: str, vocab: torch.Tensor, target) -> None:
     """Load a trained drafter's weights into ``model`` before training (continued training).
 
@@ -180,7 +188,10 @@ def warm_start(model: torch.nn.Module, path: str | Path, method: str, vocab: tor
 
     ckpt = load_checkpoint(path, target, method=method)
     mine = json.loads(json.dumps({k: v for k, v in model.architecture().items() if k not in _INIT_ONLY}))
-    theirs = {k: ckpt.architecture.get(k) for k in mine}
+    # an entry the checkpoint lacks (one added to the architecture after it was trained) takes the
+    # default its loader gives it, so a drafter that loads as this architecture also warm-starts it
+    defaults = _config_defaults(model)
+    theirs = json.loads(json.dumps({k: ckpt.architecture.get(k, defaults.get(k)) for k in mine}))
     if theirs != mine:
         changed = sorted(k for k in mine if mine[k] != theirs[k])
         raise DrafterError(f"cannot start from {path}: its architecture differs in {', '.join(changed)} "
