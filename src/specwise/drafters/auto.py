@@ -47,17 +47,14 @@ from specwise.engine.loading import default_cache_dir
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError, DrafterError
 
-#: standard errors by which the running method's segment must fall short before ``auto`` leaves it: a
+#: standard errors by which a method's measurement is read optimistically. The running method's
+#: segment must fall short of another's prediction by more than this before ``auto`` leaves it (a
 #: 16-step segment of a sampled text scatters by tens of percent, and leaving a method that is faster
-#: on average for one unlucky segment costs more than staying
+#: on average for one unlucky segment costs more than staying); a candidate not running is predicted
+#: this far above its remembered mean tokens per step (UCB-style exploration), so one that an unlucky
+#: probe made look slower is tried again while its measurement is that uncertain, the error shrinking
+#: as 1 / sqrt(steps) down to what the moving average remembers (``decide_every / MEMORY`` steps)
 EVIDENCE = 2.0
-
-#: optimism for a candidate not running: it is predicted at the upper end of its remembered speed,
-#: this many standard errors of its mean tokens per step above it (UCB-style, the same allowance the
-#: running method's segment gets), so one that an unlucky probe made look slower is tried again while
-#: its measurement is that uncertain; the error shrinks as 1 / sqrt(steps), down to what the moving
-#: average remembers (``decide_every / MEMORY`` steps)
-EXPLORE = 2.0
 
 #: the candidates by default, in probing order: every method that runs on the target (a trained
 #: drafter only where one ships for it, or its default draft model exists)
@@ -298,7 +295,7 @@ class AutoDrafter(Drafter):
         horizon = int(cfg.decide_every / MEMORY)
         rates = {}
         for spec, estimate in estimates.items():
-            rate = estimate.rate if spec == current else estimate.upper_rate(EXPLORE, horizon)
+            rate = estimate.rate if spec == current else estimate.upper_rate(EVIDENCE, horizon)
             rates[spec] = rate * (1.0 if _plain(spec) else difficulty)
         rates.update(self._this_text)
         if measured:  # this text, at the upper end of the segment's scatter
