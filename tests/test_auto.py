@@ -16,11 +16,12 @@ import torch
 
 import specwise
 from conftest import OracleDrafter, RandomDrafter, greedy_continuation, make_target, random_prompt, repetitive_prompt
-from specwise.drafters.auto import AutoConfig, AutoDrafter
+from specwise.drafters.auto import PROBE_TEXTS, AutoConfig, AutoDrafter
 from specwise.drafters.auto_profile import AutoProfile, Estimate, profile_path, regime
 from specwise.drafters.autoregressive import AutoregressiveConfig, AutoregressiveDrafter
 from specwise.drafters.eagle import EagleDrafter, EagleDrafterConfig
 from specwise.drafters.medusa import MedusaDrafter, MedusaDrafterConfig
+from specwise.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
 from specwise.engine.drafter import Drafter
 from specwise.engine.sampling import SamplingConfig
 from specwise.errors import ConfigError, DrafterError
@@ -74,6 +75,36 @@ def _auto(candidates: dict, clock: FakeClock, **options) -> AutoDrafter:
 PROBE = 5
 
 
+def _measured(profile: AutoProfile, spec: str, tokens: float, seconds: float, steps: int,
+              squares: float | None = None) -> None:
+    """A measurement as if from generations enough that ``auto`` does not probe ``spec`` again."""
+    profile.get("greedy", spec).update(tokens, seconds, steps, 1.0, squares)
+    profile.get("greedy", spec).texts = PROBE_TEXTS
+
+
+class Switchable(Drafter):
+    """Proposes from ``hard`` while ``self.hard`` is set, else from ``easy`` (a text whose start is
+    unlike the rest, as a probe can meet)."""
+
+    def __init__(self, easy: Drafter, hard: Drafter) -> None:
+        self.easy, self.hard_drafter, self.hard = easy, hard, True
+        self.target_hidden_layers = ()
+
+    def reset(self):
+        self.easy.reset()
+        self.hard_drafter.reset()
+
+    def prefill(self, ctx):
+        self.easy.prefill(ctx)
+        self.hard_drafter.prefill(ctx)
+
+    def propose(self, ctx):
+        return (self.hard_drafter if self.hard else self.easy).propose(ctx)
+
+    def observe(self, feedback):
+        (self.hard_drafter if self.hard else self.easy).observe(feedback)
+
+
 def _setup(arch: str = "llama"):
     target = make_target(arch, eos=())
     prompt = random_prompt(20, seed=3)
@@ -90,10 +121,12 @@ def test_auto_decodes_plainly_when_every_drafter_loses():
     clock = FakeClock()
     never = RandomDrafter(target.vocab_size, 4, seed=1, avoid=continuation, prompt_length=prompt.numel())
     auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "never": Costly(never, clock, 1.2)}, clock)
-    result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
-    assert result.token_ids == list(continuation)
-    assert result.stats.method_steps[:2] == [["ar", PROBE], ["never", PROBE]]  # each probed once
-    assert result.stats.method_steps[2][0] == "ar" and len(result.stats.method_steps) == 3
+    # each probed on two texts (plain decoding last), then plain decoding without probes
+    for probes in ([["never", PROBE], ["ar"]], [["never", PROBE], ["ar"]], [["ar"]]):
+        result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
+        assert result.token_ids == list(continuation)
+        runs = [[m, n] if len(expected) == 2 else [m] for (m, n), expected in zip(result.stats.method_steps, probes)]
+        assert runs == probes and len(result.stats.method_steps) == len(probes)
     assert result.stats.method == "auto"
 
 
@@ -108,7 +141,7 @@ def test_auto_switches_when_acceptance_changes_and_stays_exact():
     result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
     assert result.token_ids == list(continuation)
     runs = [method for method, _ in result.stats.method_steps]
-    assert runs == ["ar", "oracle", "ar"], result.stats.method_steps
+    assert runs == ["oracle", "ar", "oracle", "ar"], result.stats.method_steps
     # back within two decisions of the oracle's last right draft (it emits 5 tokens a step till then)
     assert sum(n for m, n in result.stats.method_steps if m == "oracle") <= 30 // 5 + 2 * 4
 
@@ -123,7 +156,7 @@ def test_a_costly_first_step_is_counted_as_rebuilding_not_as_speed():
                  clock)
     result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
     assert result.token_ids == list(continuation)
-    assert [m for m, _ in result.stats.method_steps] == ["ar", "oracle"]
+    assert [m for m, _ in result.stats.method_steps] == ["oracle", "ar", "oracle"]
     assert auto.profile.get("greedy", "oracle").seconds == pytest.approx(1.1)
 
 
@@ -132,12 +165,13 @@ def test_auto_remembers_across_generations_and_skips_the_probes():
     clock = FakeClock()
     oracle = OracleDrafter(continuation, prompt.numel(), 4)
     auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "oracle": Costly(oracle, clock, 1.1)}, clock)
-    specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
+    for _ in range(PROBE_TEXTS):
+        specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
     again = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
     assert again.token_ids == list(continuation) and again.stats.method_steps == [["oracle", again.stats.target_forwards - 1]]
     assert auto.profile.get("greedy", "oracle").rate > auto.profile.get("greedy", "ar").rate
     sampled = specwise.generate(target, prompt, drafter=auto, max_new_tokens=20, temperature=0.8, seed=0)
-    assert sampled.stats.method_steps[0] == ["ar", PROBE]  # another regime: probed afresh
+    assert sampled.stats.method_steps[0] == ["oracle", PROBE]  # another regime: probed afresh
 
 
 def test_a_text_hard_for_every_drafter_does_not_make_them_trade_places():
@@ -148,7 +182,7 @@ def test_a_text_hard_for_every_drafter_does_not_make_them_trade_places():
     clock = FakeClock()
     profile = AutoProfile(None)
     for spec, tokens, seconds in (("ar", 1.0, 1.0), ("fast", 5.0, 1.1), ("slower", 5.0, 1.2)):
-        profile.get("greedy", spec).update(tokens, seconds, 100, 1.0)
+        _measured(profile, spec, tokens, seconds, 100)
     hard = range(1, NEW, 2)  # every other draft wrong: 2 tokens a step instead of 5
     fast = OracleDrafter(continuation, prompt.numel(), 4, mismatch_at=hard)
     slower = OracleDrafter(continuation, prompt.numel(), 4, mismatch_at=hard)
@@ -169,9 +203,9 @@ def test_a_drafter_an_unlucky_probe_made_look_slow_is_tried_again_while_uncertai
     target, prompt, continuation = _setup()
     clock = FakeClock()
     profile = AutoProfile(None)
-    profile.get("greedy", "ar").update(1.0, 1.0, 100, 1.0)
+    _measured(profile, "ar", 1.0, 1.0, 100)
     # 1.2 tokens a step with a standard deviation of 2 at 2 s a step: 0.6 tokens/s, below ar's 1.0
-    profile.get("greedy", "oracle").update(1.2, 2.0, steps, 1.0, squares=1.2 ** 2 + 2.0 ** 2)
+    _measured(profile, "oracle", 1.2, 2.0, steps, squares=1.2 ** 2 + 2.0 ** 2)
     oracle = OracleDrafter(continuation, prompt.numel(), 4)
     auto = AutoDrafter(None, AutoConfig(remember=False, probe_steps=4, decide_every=4), clock=clock, profile=profile,
                        candidates={"ar": Costly(_ar(target), clock, 1.0), "oracle": Costly(oracle, clock, 1.1)})
@@ -185,7 +219,7 @@ def test_a_drafter_an_unlucky_probe_made_look_slow_is_tried_again_while_uncertai
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_switching_rebuilds_stateful_drafters_from_the_committed_context(arch):
-    """Probing goes ar -> eagle -> medusa mid-generation: EAGLE's head cache and Medusa's state are
+    """Probing goes pld -> eagle -> medusa -> ar: EAGLE's head cache and Medusa's state are
     rebuilt from the hidden states auto kept for every committed position, which equal the target's
     own in one forward over the context; the output is the target's greedy continuation."""
     target, prompt, continuation = _setup(arch)
@@ -193,12 +227,14 @@ def test_switching_rebuilds_stateful_drafters_from_the_committed_context(arch):
     eagle = EagleDrafter(target, EagleDrafterConfig(depth=3, tree_top_k=2, total_tokens=5, min_path_prob=0.0,
                                                     lookup_tokens=0), head=make_head(target))
     medusa = MedusaDrafter(target, MedusaDrafterConfig(min_path_prob=0.0, lookup_tokens=0), heads=make_heads(target))
-    auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "eagle": Costly(eagle, clock, 1.0),
-                  "medusa": Costly(medusa, clock, 1.0)}, clock, decide_every=3, probe_steps=3)
+    pld = PromptLookupDrafter(target, PromptLookupConfig())
+    auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "pld": Costly(pld, clock, 1.0),
+                  "eagle": Costly(eagle, clock, 1.0), "medusa": Costly(medusa, clock, 1.0)},
+                 clock, decide_every=3, probe_steps=3)
     assert set(auto.target_hidden_layers) == set(eagle.target_hidden_layers) | set(medusa.target_hidden_layers)
     result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
     assert result.token_ids == list(continuation)
-    assert [m for m, _ in result.stats.method_steps[:3]] == ["ar", "eagle", "medusa"]
+    assert [m for m, _ in result.stats.method_steps[:4]] == ["pld", "eagle", "medusa", "ar"]
     ids = torch.cat([prompt, torch.tensor(continuation)])
     committed = prompt.numel() + len(continuation) - 1  # positions the target has processed
     fresh = target.forward(ids[:committed], target.new_cache(), num_logits=1,
@@ -227,18 +263,55 @@ def test_plain_methods_report_their_own_steps():
 def test_profile_round_trip_and_keys(tmp_path):
     path = tmp_path / "auto" / "p.json"
     profile = AutoProfile(path)
-    profile.get("greedy", "eagle").update(3.0, 0.05, 16, 0.3)
+    profile.get("greedy", "eagle").update(3.0, 0.05, 16, 0.3, new_text=True)
     profile.get("T=0.7", "pld").update(1.5, 0.04, 8, 0.3)
     profile.save()
     again = AutoProfile(path)
-    assert again.get("greedy", "eagle") == Estimate(3.0, 0.05, 16, 9.0) and again.get("T=0.7", "pld").steps == 8
+    assert again.get("greedy", "eagle") == Estimate(3.0, 0.05, 16, 9.0, 1) and again.get("T=0.7", "pld").steps == 8
     path.write_text("{not json")
     assert AutoProfile(path).estimates == {}  # unreadable: measured afresh
-    path.write_text(json.dumps({"estimates": {"greedy|eagle": {"tokens": 3.0, "seconds": 0.05, "steps": 16}}}))
-    assert AutoProfile(path).estimates == {}  # an older layout (no scatter): measured afresh
-    assert json.loads(json.dumps(vars(Estimate(1, 2, 3, 4)))) == {"tokens": 1, "seconds": 2, "steps": 3, "squares": 4}
+    older = {"tokens": 3.0, "seconds": 0.05, "steps": 16, "squares": 9.0}  # layout 2: no count of texts
+    path.write_text(json.dumps({"version": 2, "estimates": {"greedy|eagle": older}}))
+    assert AutoProfile(path).estimates == {}  # an older layout: measured afresh
+    assert json.loads(json.dumps(vars(Estimate(1, 2, 3, 4, 5)))) == {"tokens": 1, "seconds": 2, "steps": 3, "squares": 4,
+                                                                    "texts": 5}
     assert profile_path(make_target("llama"), tmp_path) is None  # a model built in memory: no file
     assert regime(SamplingConfig()) == "greedy" and regime(SamplingConfig(temperature=0.7, top_p=0.9)) == "T=0.7,top_p=0.90"
+
+
+def test_the_profile_averages_every_step_until_the_moving_average_takes_over():
+    """A second probe of as many steps counts as much as the first; past ``1 / weight`` segments, a
+    new one weighs ``weight``."""
+    estimate = Estimate()
+    estimate.update(1.0, 2.0, 8, 0.1, new_text=True)
+    estimate.update(3.0, 1.0, 8, 0.1, new_text=True)
+    assert (estimate.tokens, estimate.seconds, estimate.steps, estimate.texts) == (2.0, 1.5, 16, 2)
+    estimate.update(5.0, 1.0, 16, 0.1)
+    assert estimate.tokens == pytest.approx(3.5) and estimate.squares == pytest.approx((8 + 72 + 400) / 32)
+    for _ in range(20):
+        estimate.update(5.0, 1.0, 16, 0.1)
+    before = estimate.tokens
+    estimate.update(1.0, 1.0, 16, 0.1)
+    assert estimate.tokens == pytest.approx(before - 0.1 * (before - 1.0))
+
+
+def test_a_drafter_probed_on_a_hard_stretch_is_probed_again_on_the_next_text():
+    """A drafter whose probe met a stretch where it never matches (no scatter to be optimistic
+    about) loses to plain decoding on that text; on the next text it is probed again, and it runs
+    when it wins there."""
+    target, prompt, continuation = _setup()
+    clock = FakeClock()
+    switchable = Switchable(OracleDrafter(continuation, prompt.numel(), 4),
+                            RandomDrafter(target.vocab_size, 4, seed=1, avoid=continuation, prompt_length=prompt.numel()))
+    auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "oracle": Costly(switchable, clock, 1.1)}, clock)
+    first = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
+    assert first.token_ids == list(continuation)
+    assert [m for m, _ in first.stats.method_steps] == ["oracle", "ar"]
+    switchable.hard = False
+    second = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
+    assert second.token_ids == list(continuation)
+    assert [m for m, _ in second.stats.method_steps] == ["oracle", "ar", "oracle"]
+    assert auto.profile.get("greedy", "oracle").texts == PROBE_TEXTS
 
 
 def test_bad_auto_options_are_one_clear_error():

@@ -13,7 +13,9 @@ predicted faster by ``margin`` even against the upper end of the running method'
 sampled segment's speed scatters widely: one unlucky segment is no reason to leave), the cost of
 rebuilding the other's state counted. Plain decoding (``ar``) is a candidate, so when no drafter is
 predicted to win, ``auto`` decodes plainly. A candidate with fewer than ``probe_steps`` measured
-steps in the regime is run for that many first (once per regime and machine, thanks to the profile).
+steps in the regime is run for that many first, and once more in a later generation
+(:data:`PROBE_TEXTS`), plain decoding last: with the profile, this happens on the first two
+requests per regime and machine.
 
 Switching is exact: every candidate only proposes, and the verification decides (lossless for each,
 so for any sequence of them). The new candidate's state is rebuilt from the committed tokens and
@@ -55,6 +57,13 @@ from specwise.errors import ConfigError, DrafterError
 #: probe made look slower is tried again while its measurement is that uncertain, the error shrinking
 #: as 1 / sqrt(steps) down to what the moving average remembers (``decide_every / MEMORY`` steps)
 EVIDENCE = 2.0
+
+#: generations (texts) a candidate is probed on before its measurement is believed: 8 steps of one
+#: text can land on a stretch unlike the rest (a drafter emitting half its usual tokens per step with
+#: little scatter, which no allowance for scatter corrects), and a process's first steps run slower
+#: (first calls' one-time costs), which is why plain decoding, timed only by its probes while the
+#: drafters chosen run for hundreds of steps, is probed last
+PROBE_TEXTS = 2
 
 #: the candidates by default, in probing order: every method that runs on the target (a trained
 #: drafter only where one ships for it, or its default draft model exists)
@@ -198,9 +207,12 @@ class AutoDrafter(Drafter):
         self._segment = Segment()  # the running candidate's steps since the last decision
         self._last_segment = Segment()  # ... and before it, the segment that ended at the last decision
         self._segment_length = 0  # steps the current segment runs before the next decision
+        self._probe = False  # the current segment is a probe
         self._first_step = False  # the next step is the running candidate's first since it started
         self._rebuild_s: float | None = None  # how long its prefill took (None: at the generation's start)
         self._known: dict[str, Estimate] = {}  # the candidates' estimates as they stood before this generation
+        self._started: set[str] = set()  # candidates run in this generation
+        self._counted: set[str] = set()  # ... whose steps here are in the profile (this text counted)
 
     @property
     def active_method(self) -> str:
@@ -259,17 +271,22 @@ class AutoDrafter(Drafter):
         if self._segment.steps:
             measured = self._segment.estimate()
             self.profile.get(self._mode, self.active).update(measured.tokens, measured.seconds, measured.steps, MEMORY,
-                                                             measured.squares)
+                                                             measured.squares, new_text=self.active not in self._counted)
+            self._counted.add(self.active)
             self.profile.save()
+            if self._probe:  # a probe here joins the standard (it is a measurement, not a drift)
+                self._known[self.active] = replace(self.profile.get(self._mode, self.active))
         self._last_segment = self._segment
         choice = self._choose(ctx)
         if choice != self.active:
             self._switch(choice, ctx)
         else:
+            self._probe = bool(self._probe_length(choice))
             self._segment, self._segment_length = Segment(), self._length_for(choice)
 
     def _choose(self, ctx: DraftContext | None) -> str:
-        """The candidate to run next: one still to probe in this regime, else the predicted fastest.
+        """The candidate to run next: one still to probe in this regime (:meth:`_probe_length`; plain
+        decoding last), else the predicted fastest.
 
         Others are predicted by their remembered speed, or, if one was left in this generation for
         cause, by its speed on this text. The running one is judged by its last segment here, at the
@@ -278,10 +295,10 @@ class AutoDrafter(Drafter):
         """
         cfg = self.config
         live = {spec: self.profile.get(self._mode, spec) for spec in self.candidates}
-        for spec, estimate in live.items():
-            if estimate.steps < cfg.probe_steps:
+        for spec in sorted(live, key=_plain):
+            if self._probe_length(spec):
                 return spec
-        # what was known before this generation, where that includes a probe (else the probe here)
+        # what was known before this generation and the probes run in it
         estimates = {spec: known if known.steps >= cfg.probe_steps else live[spec]
                      for spec, known in self._known.items()} if self._known else live
         current = self.active
@@ -310,9 +327,19 @@ class AutoDrafter(Drafter):
         stay_s, move_s = tokens / rates[current], tokens / rates[best] + rebuild_s
         return best if move_s < (1.0 - cfg.margin) * stay_s else current
 
+    def _probe_length(self, spec: str) -> int:
+        """Steps ``spec`` still has to be probed for (0: none): what its measurement in the regime
+        lacks of ``probe_steps``, or a whole probe on this text when its steps come from fewer than
+        :data:`PROBE_TEXTS` generations and it has not run in this one."""
+        estimate = self.profile.get(self._mode, spec)
+        if estimate.steps < self.config.probe_steps:
+            return self.config.probe_steps - estimate.steps
+        if estimate.texts < PROBE_TEXTS and spec not in self._started:
+            return self.config.probe_steps
+        return 0
+
     def _length_for(self, spec: str) -> int:
-        measured = self.profile.get(self._mode, spec).steps
-        return self.config.probe_steps - measured if measured < self.config.probe_steps else self.config.decide_every
+        return self._probe_length(spec) or self.config.decide_every
 
     def _switch(self, spec: str, ctx: DraftContext) -> None:
         """Make ``spec`` the running candidate, its state rebuilt from the committed context."""
@@ -329,4 +356,6 @@ class AutoDrafter(Drafter):
         self._first_step = True
         self.active = spec
         self._segment, self._last_segment = Segment(), Segment()
+        self._probe = bool(self._probe_length(spec))
         self._segment_length = self._length_for(spec)
+        self._started.add(spec)

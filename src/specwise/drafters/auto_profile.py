@@ -26,7 +26,7 @@ import torch
 MEMORY = 0.1
 
 #: the file's layout; a file of another (older) layout is measured afresh rather than misread
-VERSION = 2
+VERSION = 3
 
 
 @dataclass
@@ -39,12 +39,15 @@ class Estimate:
         steps: steps the estimate has seen (all generations together).
         squares: mean of the squared tokens per step (with ``tokens``, their scatter); ``tokens**2``
             when only means were measured.
+        texts: generations the steps came from (a probe on one text can land on a stretch unlike
+            the rest, or on a process's first, slower steps).
     """
 
     tokens: float = 0.0
     seconds: float = 0.0
     steps: int = 0
     squares: float = 0.0
+    texts: int = 0
 
     @property
     def rate(self) -> float:
@@ -66,15 +69,20 @@ class Estimate:
         return (self.tokens + evidence * error) / self.seconds
 
     def update(self, tokens: float, seconds: float, steps: int, weight: float,
-               squares: float | None = None) -> None:
+               squares: float | None = None, new_text: bool = False) -> None:
         """Blend in a measurement of ``steps`` steps (means per step, ``squares`` the mean squared
-        tokens per step, default ``tokens**2``) with ``weight`` (1 = replace)."""
-        weight = 1.0 if self.steps == 0 else weight
+        tokens per step, default ``tokens**2``; ``new_text``: the first from another generation).
+
+        The estimate is the plain mean of every step measured until the new steps' share falls
+        below ``weight``, then a moving average with that weight (1 = replace): a second probe
+        counts as much as the first, and a long history still gives way to recent requests."""
+        weight = max(weight, steps / (self.steps + steps)) if steps > 0 else weight
         squares = tokens * tokens if squares is None else squares
         self.tokens += weight * (tokens - self.tokens)
         self.seconds += weight * (seconds - self.seconds)
         self.squares += weight * (squares - self.squares)
         self.steps += steps
+        self.texts += int(new_text)
 
 
 def regime(sampling) -> str:
@@ -108,7 +116,8 @@ class AutoProfile:
                 for key, value in data.get("estimates", {}).items():
                     mode, _, spec = key.partition("|")
                     self.estimates[mode, spec] = Estimate(float(value["tokens"]), float(value["seconds"]),
-                                                          int(value["steps"]), float(value["squares"]))
+                                                          int(value["steps"]), float(value["squares"]),
+                                                          int(value["texts"]))
             except (OSError, ValueError, KeyError, TypeError):
                 self.estimates = {}  # no file yet, or an unreadable one: measure afresh
 
