@@ -295,6 +295,22 @@ def test_the_profile_averages_every_step_until_the_moving_average_takes_over():
     assert estimate.tokens == pytest.approx(before - 0.1 * (before - 1.0))
 
 
+def test_requests_shorter_than_a_probe_still_finish_the_probes():
+    """A generation that ends inside a probe keeps the steps it measured, so short requests move on
+    through the candidates to the one measured fastest instead of probing the first forever."""
+    target, prompt, continuation = _setup()
+    clock = FakeClock()
+    never = RandomDrafter(target.vocab_size, 4, seed=1, avoid=continuation, prompt_length=prompt.numel())
+    auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "never": Costly(never, clock, 1.2)}, clock)
+    runs = []
+    for _ in range(8):
+        result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=4)
+        assert result.token_ids == list(continuation[:4])
+        runs.append([m for m, _ in result.stats.method_steps])
+    assert runs[0] == ["never"] and runs[-1] == ["ar"], runs
+    assert auto.profile.get("greedy", "never").texts >= PROBE_TEXTS
+
+
 def test_a_drafter_probed_on_a_hard_stretch_is_probed_again_on_the_next_text():
     """A drafter whose probe met a stretch where it never matches (no scatter to be optimistic
     about) loses to plain decoding on that text; on the next text it is probed again, and it runs

@@ -198,6 +198,10 @@ class AutoDrafter(Drafter):
 
     # ------------------------------------------------------------------ per generation
     def reset(self) -> None:
+        if getattr(self, "active", None) is not None and self._segment.steps:
+            # the last generation ended inside a segment: keep what it measured (a request shorter
+            # than a probe would otherwise leave every probe unfinished, and auto on its first candidate)
+            self._remember(self._segment)
         self.active: str | None = None  # the running candidate's spec
         self._mode = "greedy"
         self._hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.target_hidden_layers}
@@ -266,16 +270,20 @@ class AutoDrafter(Drafter):
         """One verified step of the running candidate, into the segment."""
         self._segment.add(tokens, seconds)
 
+    def _remember(self, segment: Segment) -> None:
+        """Put the running candidate's ``segment`` into the profile (and save it)."""
+        measured = segment.estimate()
+        self.profile.get(self._mode, self.active).update(measured.tokens, measured.seconds, measured.steps, MEMORY,
+                                                         measured.squares, new_text=self.active not in self._counted)
+        self._counted.add(self.active)
+        self.profile.save()
+        if self._probe:  # a probe here joins the standard (it is a measurement, not a drift)
+            self._known[self.active] = replace(self.profile.get(self._mode, self.active))
+
     def _decide(self, ctx: DraftContext) -> None:
         """End the segment: remember what it measured, then keep the running candidate or switch."""
         if self._segment.steps:
-            measured = self._segment.estimate()
-            self.profile.get(self._mode, self.active).update(measured.tokens, measured.seconds, measured.steps, MEMORY,
-                                                             measured.squares, new_text=self.active not in self._counted)
-            self._counted.add(self.active)
-            self.profile.save()
-            if self._probe:  # a probe here joins the standard (it is a measurement, not a drift)
-                self._known[self.active] = replace(self.profile.get(self._mode, self.active))
+            self._remember(self._segment)
         self._last_segment = self._segment
         choice = self._choose(ctx)
         if choice != self.active:
