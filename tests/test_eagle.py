@@ -471,7 +471,7 @@ def test_warm_start_loads_a_trained_head_and_refuses_what_does_not_fit(tmp_path)
         warm_start(silu, path, "eagle", trained.vocab, target)
     wider = EagleHead(target, replace(trained.config, intermediate_size=trained.config.intermediate_size * 2),
                       trained.vocab)
-    with pytest.raises(DrafterError, match="architecture differs in intermediate_size"):
+    with pytest.raises(DrafterError, match="architecture differs in intermediate_size.*trained with .*config.json"):
         warm_start(wider, path, "eagle", trained.vocab, target)
     with pytest.raises(DrafterError, match="draft vocabulary differs"):
         warm_start(fresh, path, "eagle", trained.vocab.flip(0), target)

@@ -195,7 +195,8 @@ def warm_start(model: torch.nn.Module, path: str | Path, method: str, vocab: tor
     if theirs != mine:
         changed = sorted(k for k in mine if mine[k] != theirs[k])
         raise DrafterError(f"cannot start from {path}: its architecture differs in {', '.join(changed)} "
-                           f"({', '.join(f'{k}={theirs[k]!r}, here {mine[k]!r}' for k in changed[:3])}).")
+                           f"({', '.join(f'{k}={theirs[k]!r}, here {mine[k]!r}' for k in changed[:3])}): "
+                           f"give the options it was trained with (its config.json's \"architecture\").")
     stored = ckpt.tensors.get("draft_vocab")
     if stored is None or not torch.equal(stored.long(), vocab.long().cpu()):
         raise DrafterError(f"cannot start from {path}: its draft vocabulary differs from this corpus's "
