@@ -289,8 +289,7 @@ class AutoDrafter(Drafter):
         if choice != self.active:
             self._switch(choice, ctx)
         else:
-            self._probe = bool(self._probe_length(choice))
-            self._segment, self._segment_length = Segment(), self._length_for(choice)
+            self._start_segment(choice)
 
     def _choose(self, ctx: DraftContext | None) -> str:
         """The candidate to run next: one still to probe in this regime (:meth:`_probe_length`; plain
@@ -346,8 +345,11 @@ class AutoDrafter(Drafter):
             return self.config.probe_steps
         return 0
 
-    def _length_for(self, spec: str) -> int:
-        return self._probe_length(spec) or self.config.decide_every
+    def _start_segment(self, spec: str) -> None:
+        """A new segment of ``spec``: the rest of its probe, else ``decide_every`` steps."""
+        probe = self._probe_length(spec)
+        self._probe = probe > 0
+        self._segment, self._segment_length = Segment(), probe or self.config.decide_every
 
     def _switch(self, spec: str, ctx: DraftContext) -> None:
         """Make ``spec`` the running candidate, its state rebuilt from the committed context."""
@@ -363,7 +365,6 @@ class AutoDrafter(Drafter):
             self._this_text[self.active] = self._last_segment.rate
         self._first_step = True
         self.active = spec
-        self._segment, self._last_segment = Segment(), Segment()
-        self._probe = bool(self._probe_length(spec))
-        self._segment_length = self._length_for(spec)
+        self._last_segment = Segment()
+        self._start_segment(spec)
         self._started.add(spec)
