@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -67,7 +68,27 @@ ROWS = [
              ["--seed", str(2**64), "--temperature", "0.7", PROMPT_TEXT]),
     BadInput("a prompt that is not valid UTF-8", PromptError, "UTF-8", _generate(prompt="t5 \udcff t6"),
              ["t5 \udcff t6"]),  # what Python makes of invalid UTF-8 in argv (surrogateescape)
-    BadInput("a 2-D prompt tensor", PromptError, "1-D", _generate(prompt=torch.tensor([[5, 6], [7, 8]])), None),
+    BadInput("an empty prompt", PromptError, "empty", _generate(prompt="  "), ["  "]),
+    BadInput("a prompt that is a number", PromptError, "got int", _generate(prompt=5), None),
+    BadInput("a prompt of bytes", PromptError, "got bytes", _generate(prompt=b"t5 t6"), None),
+    BadInput("a prompt that is a range", PromptError, "got range", _generate(prompt=range(5, 9)), None),
+    BadInput("a prompt that is a numpy array", PromptError, ".tolist()", _generate(prompt=np.array(PROMPT_IDS)),
+             None),
+    BadInput("a prompt that is a dict", PromptError, "got dict", _generate(prompt={"ids": PROMPT_IDS}), None),
+    BadInput("a nested list of token ids", PromptError, "batch size 1", _generate(prompt=[PROMPT_IDS]), None),
+    BadInput("a float among the token ids", PromptError, "item 1 is a float", _generate(prompt=[5, 6.0, 7]), None),
+    BadInput("a bool among the token ids", PromptError, "item 2 is a bool", _generate(prompt=[5, 6, True]), None),
+    BadInput("a numpy integer among the token ids", PromptError, "numpy.int64",
+             _generate(prompt=[5, np.int64(6)]), None),
+    BadInput("a token id outside the vocabulary", PromptError, "vocabulary", _generate(prompt=[5, 10**6]), None),
+    BadInput("an empty list of token ids", PromptError, "empty", _generate(prompt=[]), None),
+    BadInput("a 0-D prompt tensor", PromptError, "0-D", _generate(prompt=torch.tensor(5)), None),
+    BadInput("a 2-D prompt tensor", PromptError, "shape [2, 2]", _generate(prompt=torch.tensor([[5, 6], [7, 8]])),
+             None),
+    BadInput("a float prompt tensor", PromptError, "float32", _generate(prompt=torch.tensor([5.0, 6.0])), None),
+    BadInput("a bool prompt tensor", PromptError, "bool", _generate(prompt=torch.tensor([True, False])), None),
+    BadInput("a prediction that is not text or token ids", PromptError, "the prediction",
+             _generate(prediction={"text": "t5"}), None),
     BadInput("chat messages for a target without a chat template", PromptError, "chat template",
              lambda target, _dir: specwise.generate(target, messages=[{"role": "user", "content": PROMPT_TEXT}],
                                                     max_new_tokens=4),
@@ -140,7 +161,7 @@ def test_bad_input_through_the_cli(row, device_fails, model_dir, capsys):
 
 
 def test_the_readme_lists_every_row():
-    """The README's bad-input list is this table: one bullet per row, in order."""
+    """The README's bad-input list is this table: one item per row, in order, separated by semicolons."""
     section = README.read_text().split("Bad input, each refused with one sentence", 1)[1].split("\n\n", 1)[0]
-    listed = [line[2:].strip().rstrip(";.") for line in section.strip().splitlines() if line.startswith("- ")]
+    listed = [item.strip().rstrip(".") for item in " ".join(section.split(":", 1)[1].split()).split(";")]
     assert listed == [row.name for row in ROWS]

@@ -104,8 +104,8 @@ def test_continuation_in_prefers_the_occurrence_after_the_cursor():
 
 def test_bad_predictions_are_one_sentence():
     target = make_target("llama")
-    for bad, words in [("", "empty"), ([], "empty"), ([[1, 2]], "1-D"), ([1.5], "integers"),
-                       ([10_000], "vocabulary"), (object(), "text or a sequence")]:
+    for bad, words in [("", "empty"), ([], "empty"), ([[1, 2]], "one flat sequence"), ([1.5], "Python ints"),
+                       ([10_000], "vocabulary"), (object(), "text or a list or tuple of int")]:
         with pytest.raises(PromptError, match=words):
             prediction_ids(target, bad)
     with pytest.raises(PromptError, match="empty"):

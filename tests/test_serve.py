@@ -9,14 +9,12 @@ block of accepted drafts) and Predicted Outputs counted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
+import typing
 from pathlib import Path
 
 import httpx
@@ -25,6 +23,8 @@ import torch
 
 import specwise
 from conftest import make_model, make_tokenizer
+from serving import Server
+from specwise.serve.protocol import ApiError
 
 openai = pytest.importorskip("openai")
 
@@ -34,57 +34,6 @@ CHAT_TEMPLATE = ("{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}"
 METHODS = ("ar", "pld", "lookahead", "auto")
 PROMPT = "t9 t17 t33 t9 t17 t40 t51"
 LONG_PROMPT = "t6 t46 t39 t36 t24 t107 t83"  # its greedy continuation meets no EOS in 500 tokens
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A ``specwise serve`` subprocess; ``stop()`` ends it."""
-
-    def __init__(self, model_dir: Path, *args: str, target: str | None = None) -> None:
-        """Serve the tiny float64 model in ``model_dir``, or ``target`` (with its dtype in ``args``);
-        the log goes next to ``model_dir``."""
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        self.log = open(model_dir.parent / f"server-{self.port}.log", "w")
-        what = ["--target", target] if target else ["--target", str(model_dir), "--dtype", "float64"]
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "specwise.cli", "serve", *what, "--port", str(self.port), "--log-level", "warning",
-             *args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + (120 if target is None else 900)
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, Path(self.log.name).read_text()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise AssertionError("the server did not start: " + Path(self.log.name).read_text())
-
-    def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        raise AssertionError("no VmRSS")
-
-    def healthy(self) -> bool:
-        return httpx.get(f"{self.url}/health", timeout=5).json()["status"] == "ok"
-
-    def stop(self, sig: int = signal.SIGINT) -> int | None:
-        """Send ``sig``; the exit code, or ``None`` if the process had to be killed."""
-        self.process.send_signal(sig)
-        try:
-            code = self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = None
-        self.log.close()
-        return code
 
 
 @pytest.fixture(scope="module")
@@ -274,7 +223,15 @@ BAD_REQUESTS = [
     ("chat", {**GOOD_CHAT, "speculative": {"method": "pld", "options": {"num_draft_tokens": 10**6}}}, 400,
      "speculative.options.num_draft_tokens"),
     ("chat", {**GOOD_CHAT, "speculative": {"method": "pld", "options": {"num_draft_tokens": 0}}}, 400,
-     "speculative.options"),
+     "speculative.options.num_draft_tokens"),
+    ("chat", {**GOOD_CHAT, "speculative": {"method": "pld", "options": {"match": "nope"}}}, 400,
+     "speculative.options.match"),
+    ("chat", {**GOOD_CHAT, "speculative": {"method": "pld", "options": {"min_ngram_size": 3, "max_ngram_size": 2}}},
+     400, "speculative.options"),  # each valid alone, not together
+    ("chat", {**GOOD_CHAT, "speculative": {"method": "auto", "options": {"candidates": "pld"}}}, 400,
+     "speculative.options.candidates"),  # free text: the server built auto's candidates at start
+    ("chat", {**GOOD_CHAT, "temperature": 1e-30}, 400, "temperature"),
+    ("chat", {**GOOD_CHAT, "temperature": 0.005}, 400, "temperature"),
     ("chat", {**GOOD_CHAT, "prediction": {"type": "content", "content": ""}}, 400, "prediction"),
     ("chat", {**GOOD_CHAT, "prediction": {"type": "image", "content": "x"}}, 400, "prediction.type"),
     ("chat", {"messages": GOOD_CHAT["messages"]}, 400, "model"),
@@ -282,6 +239,13 @@ BAD_REQUESTS = [
     ("completions", {"model": "tiny", "prompt": ["t5", "t6"]}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": 5}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": [5, 10**7]}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": [5, -1]}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": [5, True]}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": [5, 6.0]}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": [[5, 6]]}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": []}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": {"text": "t5"}}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": None}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": "t5", "echo": True}, 400, "echo"),
     ("completions", {"model": "tiny", "prompt": "t5", "best_of": 2}, 400, "best_of"),
     ("completions", {"model": "tiny", "prompt": " ".join(["t5"] * 600)}, 413, "prompt"),
@@ -397,50 +361,6 @@ def test_the_time_limit_is_504_or_an_error_event(model_dir):
         server.stop()
 
 
-def test_32_concurrent_streaming_clients(server, target):
-    """32 clients x 3 streamed requests each: all complete with the in-process text, no errors, and
-    the server's memory after the run stays within 50 MB of where it was after a warm-up."""
-    expected, _ = _local(target, prompt=PROMPT, max_new_tokens=16, method="pld")
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stream": True,
-            "speculative": {"method": "pld"}}
-    headers = {"Authorization": f"Bearer {KEY}"}
-
-    def one() -> str:
-        text = []
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=120) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    data = json.loads(line[6:])
-                    assert "error" not in data, data
-                    text.append(data["choices"][0]["text"])
-        return "".join(text)
-
-    for _ in range(8):
-        one()
-    before = server.rss_mb()
-    results, errors = [], []
-
-    def client_thread() -> None:
-        try:
-            for _ in range(3):
-                results.append(one())
-        except Exception as exc:  # noqa: BLE001 - collected and reported below
-            errors.append(repr(exc))
-
-    threads = [threading.Thread(target=client_thread) for _ in range(32)]
-    started = time.monotonic()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=180)
-    assert time.monotonic() - started < 180
-    assert not errors, errors[:3]
-    assert len(results) == 96 and set(results) == {expected}
-    assert server.rss_mb() - before < 50
-    assert server.healthy()
-
-
 def test_the_default_method_is_auto_unless_a_drafter_is_served():
     from specwise.serve.cli import default_method
 
@@ -455,6 +375,7 @@ def test_the_cli_refuses_bad_server_options_in_one_sentence(model_dir, capsys):
 
     for args, words in [(["--method", "nope"], "nope"), (["--methods", "ar,nope"], "nope"),
                         (["--max-tokens-cap", "0"], "--max-tokens-cap"), (["--time-limit", "0"], "--time-limit"),
+                        (["--shutdown-grace", "-1"], "--shutdown-grace"),
                         (["--option", "oops"], "KEY=VALUE"), (["--method", "pld", "--option", "num_draft_tokens=0"],
                                                               "num_draft_tokens")]:
         assert cli.main(["serve", "--target", str(model_dir), *args]) == 2
@@ -468,3 +389,44 @@ def test_greedy_ids_prompt(client, target):
     expected, _ = _local(target, prompt=torch.tensor(ids), max_new_tokens=8)
     response = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
     assert response.choices[0].text == expected
+
+
+# --------------------------------------------------------------------------------------------
+# per-request options: the allow-list follows each option's declared type
+
+
+def _a_valid_value(annotation, default):
+    """The option's default, or for an optional number whose default is None a value in range."""
+    if default is not None:
+        return default
+    kept = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return {int: 3, float: 0.5, bool: True}[kept[0]]
+
+
+@pytest.mark.parametrize("method", [spec.name for spec in specwise.METHODS.listed()])
+def test_every_numeric_option_is_settable_per_request_and_no_path(method):
+    from specwise.serve.worker import check_request_options, request_options
+
+    config_cls = specwise.METHODS.get(method).config_cls
+    hints = typing.get_type_hints(config_cls)
+    allowed = request_options(method)
+    for field in dataclasses.fields(config_cls):
+        declared = {a for a in typing.get_args(hints[field.name]) if a is not type(None)} or {hints[field.name]}
+        if field.name == "acceptance" or declared & {str}:  # the lossy rule; a path or free text
+            assert field.name not in allowed, field.name
+            with pytest.raises(ApiError, match="cannot be set per request"):
+                check_request_options(method, {field.name: "x"})
+            continue
+        assert field.name in allowed, field.name
+        check_request_options(method, {field.name: _a_valid_value(hints[field.name], field.default)})
+
+
+def test_options_whose_default_is_none_are_settable():
+    from specwise.serve.worker import check_request_options
+
+    check_request_options("dflash", {"depth": 3})
+    check_request_options("medusa", {"tree_nodes": 4})
+    check_request_options("eagle", {"lookup_trust": 0.5})
+    with pytest.raises(ApiError, match="depth must be") as info:
+        check_request_options("dflash", {"depth": 0})
+    assert info.value.param == "speculative.options.depth"

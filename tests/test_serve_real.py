@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 import specwise
+from serving import Server
 from specwise.engine.aliases import KNOWN_TARGETS
-from test_serve import Server
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow

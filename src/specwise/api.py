@@ -16,6 +16,7 @@ from specwise.drafters.checkpoint import read_config
 from specwise.drafters.prediction import PredictionDrafter, prediction_ids
 from specwise.engine.loop import speculative_generate
 from specwise.engine.sampling import SamplingConfig
+from specwise.engine.token_ids import check_token_ids
 from specwise.engine.types import GenerationResult
 from specwise.errors import ConfigError, DrafterError, PromptError
 
@@ -81,7 +82,7 @@ def load_drafter(path: str | Path, target, **options):
 
 def generate(
     target,
-    prompt: str | Sequence[int] | torch.Tensor | None = None,
+    prompt: str | list[int] | tuple[int, ...] | torch.Tensor | None = None,
     *,
     messages: Sequence[dict[str, str]] | None = None,
     method: str = "ar",
@@ -106,7 +107,8 @@ def generate(
 
     Args:
         target: a :class:`specwise.engine.target.Target` (see :func:`specwise.load_target`).
-        prompt: text (tokenized with the target's tokenizer, BOS added) or token ids.
+        prompt: text (tokenized with the target's tokenizer, BOS added), or token ids as a list or
+            tuple of ``int`` or a 1-D integer tensor; any other type is refused, never converted.
         messages: instead of ``prompt``, a chat in OpenAI's shape (``[{"role": "user", "content":
             "..."}]``; roles system, user, assistant, tool), rendered by the target's own chat template
             with the assistant's turn opened; generation also ends at the template's end-of-turn token
@@ -145,8 +147,8 @@ def generate(
     a drafter may not, so give each thread its own.
 
     Raises:
-        PromptError: empty prompt, text that is not valid UTF-8, token ids that are not a 1-D
-            integer sequence inside the vocabulary, or prompt + ``max_new_tokens`` beyond the
+        PromptError: empty prompt, text that is not valid UTF-8, token ids of another type or
+            shape than those above or outside the vocabulary, or prompt + ``max_new_tokens`` beyond the
             target's context; both or neither of ``prompt`` and ``messages``, malformed messages, or
             messages for a target without a chat template.
         ConfigError: options out of range or of the wrong type (``stop``, ``seed`` included).
@@ -274,8 +276,12 @@ def encode_prompt(target, prompt) -> torch.Tensor:
     Returns:
         ``[P]`` long on the target's device, P >= 1.
 
+    Args:
+        prompt: text, a list or tuple of ``int``, or a 1-D integer tensor; nothing else.
+
     Raises:
-        PromptError: empty, not valid UTF-8, not a 1-D integer sequence, or outside the vocabulary.
+        PromptError: empty, not valid UTF-8, another type or shape (:func:`check_token_ids`), or
+            ids outside the vocabulary.
     """
     if isinstance(prompt, str):
         check_text("the prompt", prompt)
@@ -283,18 +289,7 @@ def encode_prompt(target, prompt) -> torch.Tensor:
             raise PromptError("the prompt is empty.")
         ids = target.encode(prompt)
     else:
-        try:
-            ids = prompt if isinstance(prompt, torch.Tensor) else torch.as_tensor(list(prompt))
-        except (TypeError, ValueError, RuntimeError):
-            raise PromptError("a prompt must be text or a sequence of integer token ids.") from None
-        if ids.dim() > 1:
-            raise PromptError(f"a prompt of token ids must be 1-D (one prompt, batch size 1), got shape "
-                              f"{list(ids.shape)}; pass one row, e.g. input_ids[0].")
-        if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
-            raise PromptError(f"prompt token ids must be integers, got {ids.dtype}.")
-        ids = ids.to(dtype=torch.long, device=target.device)
+        ids = check_token_ids(prompt, "the prompt", target.vocab_size).to(target.device)
     if ids.numel() == 0:
         raise PromptError("the prompt is empty.")
-    if int(ids.min()) < 0 or int(ids.max()) >= target.vocab_size:
-        raise PromptError(f"prompt token ids must lie in [0, {target.vocab_size}), the target's vocabulary.")
     return ids

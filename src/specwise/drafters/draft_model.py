@@ -26,7 +26,7 @@ verified row for nothing. It changes which tokens are proposed, never the output
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -53,7 +53,7 @@ class DraftModelConfig(DraftingConfig):
     confidence_threshold: float = 0.5  # stop the chain when the draft's top probability is below this; 0 = off
     # how a sampled chain is verified: "token" (speculative sampling) or "block" (block verification,
     # Sun et al. 2025: never fewer accepted drafts in expectation); both lossless, same when greedy
-    verification: str = "token"
+    verification: Literal["token", "block"] = "token"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -35,6 +35,7 @@ relative), so a prompt or generation of any length keeps working.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -91,7 +92,7 @@ class EagleDrafterConfig(TrainedDrafterConfig):
     # drawn without replacement from the head's tempered distribution ("sampled": each level draws
     # total_tokens // depth children, at most tree_top_k, of the best node of the level above); greedy:
     # the dynamic tree
-    draft_sampling: str = "deterministic"
+    draft_sampling: Literal["deterministic", "sampled"] = "deterministic"
 
     def __post_init__(self) -> None:
         super().__post_init__()

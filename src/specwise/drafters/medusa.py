@@ -25,6 +25,7 @@ Acceptance:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -63,7 +64,7 @@ class MedusaDrafterConfig(TrainedDrafterConfig):
     """Options of ``medusa``."""
 
     tree_nodes: int | None = None  # draft nodes per step: the first N calibrated paths (None = the heads' default)
-    acceptance: str = "exact"  # "exact" (lossless) or "typical-lossy" (Medusa's typical acceptance, not lossless)
+    acceptance: Literal["exact", "typical-lossy"] = "exact"  # "exact" (lossless) or "typical-lossy" (Medusa's typical acceptance, not lossless)
     posterior_threshold: float = 0.09  # typical-lossy: epsilon
     posterior_alpha: float = 0.3  # typical-lossy: delta
     # with the shipped heads' 12-node tree, slightly faster than 2 fixed nodes, paired per prompt (see
@@ -72,7 +73,7 @@ class MedusaDrafterConfig(TrainedDrafterConfig):
     # when sampling with the exact rule: the tree's tokens are the heads' top ranks ("deterministic") or
     # drawn without replacement from each head's tempered distribution ("sampled"; same tree shape), which
     # measured faster at T = 0.7 (see docs/benchmarks/sampled-siblings-t0.7-report.md); greedy: top ranks
-    draft_sampling: str = "sampled"
+    draft_sampling: Literal["deterministic", "sampled"] = "sampled"
 
     def __post_init__(self) -> None:
         super().__post_init__()

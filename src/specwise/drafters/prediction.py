@@ -23,6 +23,7 @@ import torch
 from specwise.drafters.base import Drafter, check_int
 from specwise.drafters.lookup_graft import LookupGraft, LookupGraftConfig
 from specwise.drafters.prompt_lookup import cut_after_eos
+from specwise.engine.token_ids import check_token_ids
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import PromptError
 
@@ -176,16 +177,8 @@ def prediction_ids(target, prediction) -> torch.Tensor:
     if isinstance(prediction, str):
         ids = target.tokenizer(prediction, add_special_tokens=False).input_ids
     else:
-        try:
-            ids = torch.as_tensor(prediction if isinstance(prediction, torch.Tensor) else list(prediction))
-        except (TypeError, ValueError, RuntimeError):
-            raise PromptError("a prediction must be text or a sequence of integer token ids.") from None
-        if ids.dim() != 1 or (ids.numel() and (ids.is_floating_point() or ids.dtype == torch.bool)):
-            raise PromptError("a prediction of token ids must be a 1-D sequence of integers.")
-        ids = ids.tolist()
+        ids = check_token_ids(prediction, "the prediction", target.vocab_size).tolist()
     if not ids:
         raise PromptError("the prediction is empty; leave it out or give the text the output should repeat.")
-    if min(ids) < 0 or max(ids) >= target.vocab_size:
-        raise PromptError(f"prediction token ids must lie in [0, {target.vocab_size}), the target's vocabulary.")
     return torch.tensor(ids, dtype=torch.long, device=target.device)
 

@@ -8,6 +8,7 @@ the tokens that followed the match are proposed. n runs from ``max_ngram_size`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -23,7 +24,7 @@ class PromptLookupConfig(DraftingConfig):
     num_draft_tokens: int = 10  # tokens copied after a match (K)
     max_ngram_size: int = 3  # longest suffix tried first
     min_ngram_size: int = 1  # shortest suffix tried
-    match: str = "latest"  # which occurrence to copy from: "earliest" (the references) or "latest"
+    match: Literal["earliest", "latest"] = "latest"  # which occurrence to copy from: "earliest" (the references) or "latest"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -18,7 +18,7 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
@@ -101,7 +101,9 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
     app = FastAPI(title="specwise", lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker, app.state.metrics, app.state.config = worker, metrics, config
+    # the last added runs first: the API key is checked before any of the body is read
     app.add_middleware(_BodyLimit, max_body_size=config.max_body_bytes, metrics=metrics)
+    app.add_middleware(_ApiKey, api_key=config.api_key, metrics=metrics)
 
     def endpoint_of(request: Request) -> str:
         return request.url.path if request.url.path in _ENDPOINTS else "other"
@@ -137,35 +139,26 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
         return answer_error(request, ApiError(500, "the server failed on this request; see its log.",
                                               kind="server_error"))
 
-    async def authorized(request: Request) -> None:
-        if config.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), config.api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'.",
-                           kind="authentication_error", headers={"WWW-Authenticate": "Bearer"})
-
     @app.get("/health")
     async def health():
         metrics.requests.labels("/health", "200").inc()
-        return {"status": "ok", "model": config.model, "waiting": worker.waiting}
+        return {"status": "ok", "model": config.model, "waiting": worker.waiting, "running": worker.running}
 
     @app.get("/metrics")
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models")
     async def models():
         metrics.requests.labels("/v1/models", "200").inc()
         return {"object": "list", "data": [{"id": config.model, "object": "model", "created": started,
                                             "owned_by": "specwise"}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await serve(request, body, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         return await serve(request, body, chat=True)
 
@@ -183,15 +176,15 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
                     kind, value = await asyncio.wait_for(job.events.get(), _DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        job.cancel()
-                        log.info("%s cancelled: the client went away", job.id)
+                        waiting = worker.withdraw(job)
+                        log.info("%s cancelled%s: the client went away", job.id, " while waiting" if waiting else "")
                         return Response(status_code=499)
                     continue
                 if kind == "error":
                     raise value
                 result = value
         finally:
-            job.cancel()  # a no-op once finished; frees the job if this handler was cancelled
+            worker.withdraw(job)  # a no-op once finished; frees the job if this handler was cancelled
         finished(job, result, prompt_tokens)
         metrics.requests.labels(endpoint, "200").inc()
         text = "".join(job.pieces)
@@ -242,9 +235,9 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
             yield format_sse_event(data_str="[DONE]")
             done = True
         finally:
-            job.cancel()
+            waiting = worker.withdraw(job)
             if not done:
-                log.info("%s cancelled: the client went away mid-stream", job.id)
+                log.info("%s cancelled: the client went away %s", job.id, "while waiting" if waiting else "mid-stream")
 
     def finished(job: Job, result, prompt_tokens: int) -> None:
         end = time.monotonic()
@@ -319,6 +312,27 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
 
 
 _ENDPOINTS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
+
+
+class _ApiKey:
+    """401 with OpenAI's error JSON on ``/v1/*`` without the right ``Authorization: Bearer KEY``,
+    decided from the headers alone, before the body is read or checked."""
+
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics) -> None:
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.api_key is None or not scope.get("path", "").startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() == "bearer" and secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
+            return await self.app(scope, receive, send)
+        error = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'.",
+                         kind="authentication_error")
+        path = scope.get("path", "")
+        self.metrics.requests.labels(path if path in _ENDPOINTS else "other", "401").inc()
+        await JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 
 class _BodyLimit:

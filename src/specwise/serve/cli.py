@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from specwise.drafters import METHODS
@@ -49,6 +51,9 @@ def add_serve_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--max-tokens-cap", type=int, default=2048, help="most new tokens per request (default 2048)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt (default: the context)")
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds a generation may run (default 600)")
+    p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
+                   help="on SIGTERM or Ctrl-C, seconds open responses get to end before the process exits "
+                        "(default 5; running generations stop at their next step)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"],
                    help="the target's dtype (default bfloat16)")
@@ -81,8 +86,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name, value in (("--port", args.port), ("--max-queue", args.max_queue), ("--max-tokens-cap", args.max_tokens_cap)):
         if value < (0 if name == "--max-queue" else 1):
             raise ConfigError(f"{name} must be a positive integer, got {value}.")
-    if args.time_limit <= 0:
-        raise ConfigError(f"--time-limit must be positive, got {args.time_limit}.")
+    for name, value in (("--time-limit", args.time_limit), ("--shutdown-grace", args.shutdown_grace)):
+        if not value > 0 or value == float("inf"):
+            raise ConfigError(f"{name} must be a positive number of seconds, got {value}.")
     options = {}
     for item in args.option:
         key, eq, value = item.partition("=")
@@ -104,31 +110,66 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           time_limit_s=args.time_limit, default_options=options)
     app = create_app(target, config, worker_thread=False)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           access_log=False))
+                                           access_log=False, timeout_graceful_shutdown=args.shutdown_grace))
     worker = app.state.worker
 
     def serve_http() -> None:
         try:
             server.run()
         finally:
-            worker.close()  # ends worker.run() below
+            worker.shutdown()  # ends worker.run() below
 
     http = threading.Thread(target=serve_http, name="specwise-http")
     http.start()
     print(f"specwise: serving {config.model} with {default} (also: {', '.join(config.methods[1:]) or 'none'}) "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    # SIGTERM (systemd, docker) shuts down as Ctrl-C does: uvicorn, on its own thread, cannot catch it
-    signal.signal(signal.SIGTERM, lambda *_: signal.default_int_handler(signal.SIGINT, None))
+    shutdown = GracefulShutdown(worker, server, args.shutdown_grace)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, shutdown.on_signal)
     try:
         worker.run()  # generations on the main thread: torch's CPU forwards are slower on any other
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second signal: stop waiting
         pass
     finally:
         server.should_exit = True
-        http.join()
+        http.join(timeout=args.shutdown_grace + 2)
     if not server.started:
         raise ConfigError(f"could not serve on {args.host}:{args.port} (is the port in use?).")
     return 0
+
+
+class GracefulShutdown:
+    """What SIGTERM and Ctrl-C do: the worker refuses waiting requests (503) and stops the running
+    generation at its next step, so every open stream ends with an error event and ``[DONE]``;
+    uvicorn stops accepting connections and gives open responses ``grace`` seconds to end. A
+    second signal stops waiting for them; a process still alive five seconds past the grace
+    (a single forward longer than that) exits regardless.
+
+    Args:
+        worker: the :class:`~specwise.serve.worker.GenerationWorker`. server: the ``uvicorn.Server``.
+        grace: seconds (``--shutdown-grace``).
+    """
+
+    def __init__(self, worker, server, grace: float) -> None:
+        self.worker, self.server, self.grace = worker, server, grace
+        self.requested = threading.Event()
+
+    def on_signal(self, signum, _frame) -> None:
+        """The signal handler (runs on the main thread, between two of the worker's steps)."""
+        if self.requested.is_set():
+            raise KeyboardInterrupt
+        self.requested.set()
+        print(f"specwise: {signal.Signals(signum).name}: shutting down (open responses get "
+              f"{self.grace:g} s)", file=sys.stderr, flush=True)
+        # not on this thread: the handler may have interrupted the worker holding its lock
+        threading.Thread(target=self._shut_down, name="specwise-shutdown", daemon=True).start()
+
+    def _shut_down(self) -> None:
+        self.worker.shutdown()
+        self.server.should_exit = True
+        time.sleep(self.grace + 5)
+        print("specwise: open responses did not end in time; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def _split(text: str) -> list[str]:

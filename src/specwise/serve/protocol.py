@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
+from specwise.engine.sampling import TEMPERATURE_RANGE
+
 #: at most this many stop strings per request (OpenAI's limit)
 MAX_STOP_STRINGS = 4
 
@@ -44,8 +46,9 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-#: OpenAI's ranges of the sampling parameters
-_RANGES = {"temperature": (0, 2), "top_p": (0, 1)}
+#: the server's range of ``temperature``: 0 (greedy), or OpenAI's upper bound of 2 above the smallest
+#: temperature the sampler takes (:data:`specwise.engine.sampling.TEMPERATURE_RANGE`)
+TEMPERATURE = (TEMPERATURE_RANGE[0], 2)
 
 
 class _Strict(BaseModel):
@@ -112,12 +115,19 @@ class _Request(_Strict):
             raise ValueError("must be at least 1")
         return value
 
-    @field_validator("temperature", "top_p")
+    @field_validator("temperature")
     @classmethod
-    def _in_range(cls, value, info):
-        low, high = _RANGES[info.field_name]
-        if not low <= value <= high:
-            raise ValueError(f"must be between {low} and {high}")
+    def _temperature(cls, value):
+        low, high = TEMPERATURE
+        if not (value == 0 or low <= value <= high):
+            raise ValueError(f"must be 0 (greedy) or between {low:g} and {high:g}")
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, value):
+        if not 0 <= value <= 1:
+            raise ValueError("must be between 0 and 1 (0 keeps only the most likely token)")
         return value
 
     @field_validator("n")

@@ -6,7 +6,9 @@ the worker runs them one after the other, off the event loop, through :func:`spe
 main thread and the event loop on another: torch's CPU forwards measured markedly slower on any
 thread but the main one (docs/serve.md). Each job streams its text pieces back to the event
 loop as they are committed; a job whose client went away, or that ran past the time limit, is
-stopped at its next step and its state (KV cache, drafter state) is freed with it.
+stopped at its next step and its state (KV cache, drafter state) is freed with it. A job whose
+client left while it waited leaves the queue at once; on shutdown the waiting jobs are refused and
+the running one stops at its next step (503 either way).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import queue
 import threading
 import time
-from collections import OrderedDict
+import types
+import typing
+from collections import OrderedDict, deque
 from typing import Any
 
 from specwise.api import build_drafter, generate
@@ -27,50 +30,83 @@ from specwise.serve.protocol import ApiError
 
 log = logging.getLogger("specwise.serve")
 
-#: string options a request may set (all others a request may set are numbers or flags)
-STRING_OPTIONS = frozenset({"match"})
-#: options no request may set: weights on disk, and a lossy acceptance rule
-FORBIDDEN_OPTIONS = frozenset({"drafter_path", "acceptance"})
+#: options no request may set whatever their type: the lossy acceptance rule
+LOSSY_OPTIONS = frozenset({"acceptance"})
 #: the largest integer option a request may set (a client must not make one step verify thousands of tokens)
 MAX_INT_OPTION = 64
 #: drafters kept for per-request option sets, besides the ones built at start
 CACHED_DRAFTERS = 4
+#: option types a request may set: numbers and flags (``None`` where the option allows it)
+_SETTABLE_TYPES = (int, float, bool)
+
+
+def settable_per_request(annotation) -> bool:
+    """Whether an option declared with type ``annotation`` may be set by a request: a number or a
+    flag (optionally ``None``), or one of a fixed set of values (``Literal[...]``); never free
+    text such as a path or a list of methods."""
+    if annotation in _SETTABLE_TYPES:
+        return True
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        kept = [a for a in args if a is not type(None)]
+        return len(kept) == 1 and settable_per_request(kept[0])
+    return False
 
 
 def request_options(method: str) -> frozenset[str]:
-    """The options of ``method`` a request may set: its numeric and flag options, ``match``; never
-    a path or the lossy acceptance rule."""
-    fields = dataclasses.fields(METHODS.get(method).config_cls)
-    return frozenset(f.name for f in fields if f.name not in FORBIDDEN_OPTIONS and (
-        type(f.default) in (int, float, bool) or f.name in STRING_OPTIONS))
+    """The options of ``method`` a request may set, read from the declared types of its config's
+    fields (:func:`settable_per_request`), less the lossy acceptance rule.
+
+    Raises:
+        DrafterError: unknown method.
+    """
+    config_cls = METHODS.get(method).config_cls
+    hints = typing.get_type_hints(config_cls)
+    return frozenset(f.name for f in dataclasses.fields(config_cls)
+                     if f.name not in LOSSY_OPTIONS and settable_per_request(hints[f.name]))
 
 
 def check_request_options(method: str, options: dict[str, Any]) -> None:
-    """Refuse request options outside the allowlist or out of range.
+    """Refuse request options outside the allowlist or out of range (the method's own bounds, and
+    integers at most :data:`MAX_INT_OPTION`).
 
     Raises:
         ApiError: 400 naming the option.
     """
     allowed = request_options(method)
     for key, value in options.items():
+        param = f"speculative.options.{key}"
         if key not in allowed:
             listed = ", ".join(sorted(allowed)) or "none"
             raise ApiError(400, f"option {key!r} cannot be set per request for method {method!r} "
-                                f"(allowed: {listed}).", f"speculative.options.{key}")
+                                f"(allowed: {listed}).", param)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_INT_OPTION:
-            raise ApiError(400, f"option {key!r} is {value}; this server allows at most {MAX_INT_OPTION}.",
-                           f"speculative.options.{key}")
+            raise ApiError(400, f"option {key!r} is {value}; this server allows at most {MAX_INT_OPTION}.", param)
+        try:
+            METHODS.get(method).make_config(**{key: value})
+        except SpecwiseError as exc:
+            raise ApiError(400, str(exc), param) from None
     try:
         METHODS.get(method).make_config(**options)
-    except SpecwiseError as exc:
+    except SpecwiseError as exc:  # options valid alone but not together (e.g. min_ngram_size > max_ngram_size)
         raise ApiError(400, str(exc), "speculative.options") from None
 
 
 class Stopped(Exception):
-    """Raised inside a generation's streamer to end it: the client left, or the time limit passed."""
+    """Raised inside a generation's streamer to end it; its text is the reason (a :class:`StopReason`)."""
 
 
-@dataclasses.dataclass
+class StopReason:
+    """Why a job stopped before its end."""
+
+    CANCELLED = "cancelled"  # the client went away
+    TIME_LIMIT = "time limit"
+    SHUTDOWN = "shutdown"
+
+
+@dataclasses.dataclass(eq=False)
 class Job:
     """One request's generation.
 
@@ -83,6 +119,7 @@ class Job:
             on the worker's thread (no event per step for a client that reads only the end).
         events: ``("text", str)`` pieces when streaming, then ``("done", GenerationResult)`` or
             ``("error", ApiError)``, delivered on the event loop.
+        stop_reason: set when the job is to stop at its next step (a :class:`StopReason`).
     """
 
     id: str
@@ -95,27 +132,44 @@ class Job:
     user: str | None = None  # OpenAI's end-user id, logged with the request
     pieces: list[str] = dataclasses.field(default_factory=list)
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    stop_reason: str | None = None
     started: float | None = None
     first_token: float | None = None
+    tokens: int = 0
     submitted: float = dataclasses.field(default_factory=time.monotonic)
 
-    def cancel(self) -> None:
-        """Stop at the next step (the client went away)."""
-        self.cancelled.set()
+    @property
+    def cancelled(self) -> bool:
+        return self.stop_reason is not None
+
+    def stop(self, reason: str) -> None:
+        """Stop at the next step (the first reason given is kept)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
 
     def emit(self, kind: str, value: Any) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop has closed: nobody is left to read it
+            pass
 
     def check(self) -> None:
-        if self.cancelled.is_set():
-            raise Stopped("cancelled")
+        if self.stop_reason is not None:
+            raise Stopped(self.stop_reason)
         if time.monotonic() > self.deadline:
-            raise Stopped("time limit")
+            raise Stopped(StopReason.TIME_LIMIT)
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down; retry on another server or later.", kind="server_error",
+                    headers={"Retry-After": "5"})
 
 
 class GenerationWorker:
-    """Runs jobs one at a time on its own thread, first in first out.
+    """Runs jobs one at a time, first in first out, on its own thread or the caller's.
+
+    A job withdrawn while it waits (its client left) leaves the queue at once; :meth:`shutdown`
+    refuses the waiting jobs (503) and stops the running one at its next step.
 
     Args:
         target: the loaded :class:`specwise.engine.target.Target`.
@@ -134,9 +188,10 @@ class GenerationWorker:
         self.time_limit_s = time_limit_s
         self.metrics = metrics
         self.built_options = built_options or {}
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._lock = threading.Lock()
-        self._waiting = 0
+        self._jobs: deque[Job] = deque()
+        self._changed = threading.Condition()
+        self._closing = False
+        self._running: Job | None = None
         self._drafters: dict[str, Any] = {}
         self._cached: OrderedDict[tuple, Any] = OrderedDict()
         self._thread = threading.Thread(target=self.run, name="specwise-worker", daemon=True)
@@ -153,66 +208,106 @@ class GenerationWorker:
         if thread:
             self._thread.start()
 
+    def shutdown(self) -> None:
+        """Refuse new and waiting jobs (503), stop the running one at its next step (it ends with a
+        503), and let :meth:`run` return; returns at once."""
+        with self._changed:
+            self._closing = True
+            refused, self._jobs = list(self._jobs), deque()
+            self._set_gauges()
+            if self._running is not None:
+                self._running.stop(StopReason.SHUTDOWN)
+            self._changed.notify_all()
+        for job in refused:
+            job.stop(StopReason.SHUTDOWN)
+            job.emit("error", shutting_down())
+        if refused:
+            log.info("shutting down: %d waiting requests refused", len(refused))
+
     def close(self) -> None:
-        """Let the running job finish, refuse the waiting ones (503), and end :meth:`run`."""
-        with self._lock:
-            while True:
-                try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None:
-                    job.emit("error", ApiError(503, "the server is shutting down.", kind="server_error"))
-            self._jobs.put(None)
+        """:meth:`shutdown`, then wait (up to a minute) for a worker thread of its own to end."""
+        self.shutdown()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
 
     @property
     def waiting(self) -> int:
-        return self._waiting
+        """Jobs in the queue (not counting the running one)."""
+        return len(self._jobs)
+
+    @property
+    def running(self) -> int:
+        """Jobs generating now (0 or 1)."""
+        return int(self._running is not None)
 
     def submit(self, job: Job) -> None:
         """Queue ``job``.
 
         Raises:
-            ApiError: 503 with ``Retry-After`` when ``max_queue`` jobs are already waiting.
+            ApiError: 503 with ``Retry-After`` when ``max_queue`` jobs are already waiting, or the
+                server is shutting down.
         """
-        with self._lock:
-            if self._waiting >= self.max_queue:
-                raise ApiError(503, f"the server is busy: {self._waiting} requests are waiting; retry shortly.",
+        with self._changed:
+            if self._closing:
+                raise shutting_down()
+            if len(self._jobs) >= self.max_queue:
+                raise ApiError(503, f"the server is busy: {len(self._jobs)} requests are waiting; retry shortly.",
                                kind="server_error", headers={"Retry-After": "1"})
-            self._waiting += 1
-            self.metrics.queue_depth.set(self._waiting)
-            self._jobs.put(job)
+            self._jobs.append(job)
+            self._set_gauges()
+            self._changed.notify_all()
+
+    def withdraw(self, job: Job) -> bool:
+        """The client of ``job`` went away: a waiting job leaves the queue now, a running one stops at
+        its next step; a finished one is left as it is. Returns whether it was waiting."""
+        job.stop(StopReason.CANCELLED)
+        with self._changed:
+            try:
+                self._jobs.remove(job)
+            except ValueError:
+                return False
+            self._set_gauges()
+        return True
 
     def run(self) -> None:
-        """Run jobs in order until :meth:`close`."""
+        """Run jobs in order until :meth:`shutdown`."""
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            with self._lock:
-                self._waiting -= 1
-                self.metrics.queue_depth.set(self._waiting)
-            if job.cancelled.is_set():
-                continue
-            self.metrics.running.set(1)
+            with self._changed:
+                while not self._jobs and not self._closing:
+                    self._changed.wait(timeout=1.0)  # a timeout lets a signal handler run on this thread
+                if self._closing:
+                    return
+                job = self._running = self._jobs.popleft()
+                self._set_gauges()
             try:
-                job.emit("done", self._generate(job))
-            except Stopped as stop:
-                if str(stop) == "time limit":
-                    job.emit("error", ApiError(504, f"the request ran past this server's time limit of "
-                                                    f"{self.time_limit_s:g} s.", kind="timeout_error"))
-            except ApiError as exc:
-                job.emit("error", exc)
-            except SpecwiseError as exc:  # bad input the cheap checks could not see (e.g. a chat template)
-                job.emit("error", ApiError(400, str(exc)))
-            except Exception:  # noqa: BLE001 - the client gets one sentence, the log the traceback
-                log.exception("request %s failed", job.id)
-                job.emit("error", ApiError(500, "the server failed to generate this response; see its log.",
-                                           kind="server_error"))
+                self._run(job)
             finally:
-                self.metrics.running.set(0)
+                with self._changed:
+                    self._running = None
+                    self._set_gauges()
+
+    def _set_gauges(self) -> None:
+        self.metrics.queue_depth.set(len(self._jobs))
+        self.metrics.running.set(int(self._running is not None))
+
+    def _run(self, job: Job) -> None:
+        try:
+            job.emit("done", self._generate(job))
+        except Stopped as stop:
+            if str(stop) == StopReason.TIME_LIMIT:
+                job.emit("error", ApiError(504, f"the request ran past this server's time limit of "
+                                                f"{self.time_limit_s:g} s.", kind="timeout_error"))
+            elif str(stop) == StopReason.SHUTDOWN:
+                log.info("%s stopped after %d tokens: the server is shutting down", job.id, job.tokens)
+                job.emit("error", shutting_down())
+        except ApiError as exc:
+            job.emit("error", exc)
+        except SpecwiseError as exc:  # bad input the cheap checks could not see (e.g. a chat template)
+            job.emit("error", ApiError(400, str(exc)))
+        except Exception:  # noqa: BLE001 - the client gets one sentence, the log the traceback
+            log.exception("request %s failed", job.id)
+            job.emit("error", ApiError(500, "the server failed to generate this response; see its log.",
+                                       kind="server_error"))
 
     def _generate(self, job: Job):
         job.started = time.monotonic()
@@ -221,6 +316,7 @@ class GenerationWorker:
         def on_tokens(tokens: list[int]) -> None:
             if job.first_token is None:
                 job.first_token = time.monotonic()
+            job.tokens += len(tokens)
             self.metrics.generated_tokens.inc(len(tokens))
             job.check()
 
