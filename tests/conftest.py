@@ -250,34 +250,61 @@ class StepLog:
 class Recorder:
     """Mixin for a :class:`Drafter` that logs every prefill / propose / observe call of the loop.
 
-    Use it through :func:`recording`, e.g. ``recording(PromptLookupDrafter)(target, config)``.
+    Use it through :func:`recording`, e.g. ``recording(PromptLookupDrafter)(target, config)``. The
+    logs are of the last generation started (a recording drafter serves one generation at a time).
     """
 
     prefill_log: tuple[list[int], int] | None  # (token ids, cache length)
     proposals: list[ProposeLog]
     steps: list[StepLog]
 
-    def reset(self) -> None:
-        super().reset()
-        self.prefill_log = None
+    def start(self, ctx: DraftContext):
+        self.prefill_log = (ctx.token_ids.tolist(), ctx.cache_length)
         self.proposals = []
         self.steps = []
+        return super().start(ctx)
 
-    def prefill(self, ctx: DraftContext) -> None:
-        self.prefill_log = (ctx.token_ids.tolist(), ctx.cache_length)
-        super().prefill(ctx)
-
-    def propose(self, ctx: DraftContext) -> Proposal:
-        proposal = super().propose(ctx)
+    def propose(self, state, ctx: DraftContext) -> Proposal:
+        proposal = super().propose(state, ctx)
         self.proposals.append(ProposeLog(ctx.token_ids.tolist(), ctx.cache_length, ctx.max_draft_tokens,
                                          proposal.tokens.tolist(), proposal))
         return proposal
 
-    def observe(self, feedback: StepFeedback) -> None:
+    def observe(self, state, feedback: StepFeedback) -> None:
         aux_logits = None if feedback.aux_logits is None else feedback.aux_logits.clone()
         self.steps.append(StepLog(feedback.token_ids.tolist(), feedback.num_drafted, feedback.num_accepted,
                                   feedback.cache_length, list(feedback.accepted_nodes), aux_logits))
-        super().observe(feedback)
+        super().observe(state, feedback)
+
+
+class Started:
+    """A drafter and one generation's state, called as the loop calls them (for tests of one
+    drafter's proposals outside the loop).
+
+    Args:
+        drafter: the :class:`Drafter`. ctx: the generation's start (see :meth:`Drafter.start`).
+    """
+
+    def __init__(self, drafter: Drafter, ctx: DraftContext) -> None:
+        self.drafter = drafter
+        self.state = drafter.start(ctx)
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        return self.drafter.propose(self.state, ctx)
+
+    def observe(self, feedback: StepFeedback) -> None:
+        self.drafter.observe(self.state, feedback)
+
+
+@functools.lru_cache(maxsize=None)
+def keeping(drafter_cls: type) -> type:
+    """``drafter_cls`` (same constructor) whose last generation's state stays readable as ``kept``."""
+
+    def start(self, ctx):
+        self.kept = drafter_cls.start(self, ctx)
+        return self.kept
+
+    return type(f"Keeping{drafter_cls.__name__}", (drafter_cls,), {"start": start})
 
 
 @functools.lru_cache(maxsize=None)
@@ -308,7 +335,7 @@ class OracleDrafter(Drafter):
         self.vocab_size = vocab_size
         self.respect_budget = respect_budget
 
-    def propose(self, ctx: DraftContext) -> Proposal:
+    def propose(self, state, ctx: DraftContext) -> Proposal:
         start = ctx.token_ids.numel() - self.prompt_length
         count = self.num_draft_tokens
         if self.respect_budget:
@@ -345,7 +372,7 @@ class RandomDrafter(Drafter):
         self.prompt_length = prompt_length
         self.with_probs = with_probs
 
-    def propose(self, ctx: DraftContext) -> Proposal:
+    def propose(self, state, ctx: DraftContext) -> Proposal:
         count = min(self.num_draft_tokens, ctx.max_draft_tokens)
         tokens = torch.randint(0, self.vocab_size, (count,), generator=self.generator)
         if self.avoid is not None and count:
@@ -434,17 +461,15 @@ class TreeOracleDrafter(Drafter):
         self.seed = seed
         self.vocab_size = vocab_size
         self.auxiliary = auxiliary
-        self.generator = torch.Generator().manual_seed(seed)
 
-    def reset(self) -> None:
-        super().reset()
-        self.generator = torch.Generator().manual_seed(self.seed)
+    def start(self, ctx: DraftContext) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed)  # each generation draws the same junk
 
-    def template_for(self, ctx: DraftContext) -> list[tuple[int, bool]]:
+    def template_for(self, generator: torch.Generator, ctx: DraftContext) -> list[tuple[int, bool]]:
         return self.template
 
-    def propose(self, ctx: DraftContext) -> Proposal:
-        template = self.template_for(ctx)
+    def propose(self, generator: torch.Generator, ctx: DraftContext) -> Proposal:
+        template = self.template_for(generator, ctx)
         start = ctx.token_ids.numel() - self.prompt_length
         depth, on_path, tokens = [0], [True], []
         for parent, truthful in template:
@@ -452,15 +477,15 @@ class TreeOracleDrafter(Drafter):
             index = start + depth[-1] - 1
             want = self.continuation[index] if on_path[parent] and index < len(self.continuation) else None
             hit = truthful and want is not None and index not in self.mismatch_at
-            tokens.append(want if hit else self._junk(avoid=want))
+            tokens.append(want if hit else self._junk(generator, avoid=want))
             on_path.append(hit)
-        auxiliary = None if self.auxiliary is None else self.auxiliary(ctx, self.generator)
+        auxiliary = None if self.auxiliary is None else self.auxiliary(ctx, generator)
         parents = torch.tensor([p for p, _ in template], dtype=torch.long)
         return Proposal(torch.tensor(tokens, dtype=torch.long), parents=parents, auxiliary=auxiliary)
 
-    def _junk(self, avoid: int | None) -> int:
+    def _junk(self, generator: torch.Generator, avoid: int | None) -> int:
         while True:
-            token = int(torch.randint(3, self.vocab_size, (), generator=self.generator))
+            token = int(torch.randint(3, self.vocab_size, (), generator=generator))
             if token != avoid:
                 return token
 
@@ -476,8 +501,8 @@ class RandomTreeDrafter(TreeOracleDrafter):
         self.max_nodes = max_nodes
         self.p_true = p_true
 
-    def template_for(self, ctx: DraftContext) -> list[tuple[int, bool]]:
-        g = self.generator
+    def template_for(self, generator: torch.Generator, ctx: DraftContext) -> list[tuple[int, bool]]:
+        g = generator
         uniform = lambda: float(torch.rand((), generator=g, dtype=torch.float64))  # noqa: E731
         n = int(torch.randint(0, self.max_nodes + 1, (), generator=g))
         parents = [0 if i == 0 else (i if uniform() < 0.5 else int(torch.randint(0, i + 1, (), generator=g)))
@@ -530,9 +555,9 @@ class SampledTreeDrafter(Drafter):
         self.parents = list(parents)
         self.level_probs = level_probs
         self.sibling_rule = sibling_rule
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # not per generation: draws differ across them
 
-    def propose(self, ctx: DraftContext) -> Proposal:
+    def propose(self, state, ctx: DraftContext) -> Proposal:
         depth = tree_depths(self.parents)
         tokens = [0] * len(self.parents)
         last = int(ctx.token_ids[-1])

@@ -46,22 +46,17 @@ class Costly(Drafter):
         self.inner, self.clock, self.cost = inner, clock, cost
         self.first_cost = cost if first_cost is None else first_cost  # the first step after a reset
         self.target_hidden_layers = inner.target_hidden_layers
-        self._fresh = True
 
-    def reset(self):
-        self._fresh = True
-        self.inner.reset()
+    def start(self, ctx):
+        return {"inner": self.inner.start(ctx), "fresh": True}
 
-    def prefill(self, ctx):
-        self.inner.prefill(ctx)
+    def propose(self, state, ctx):
+        self.clock.now += self.first_cost if state["fresh"] else self.cost
+        state["fresh"] = False
+        return self.inner.propose(state["inner"], ctx)
 
-    def propose(self, ctx):
-        self.clock.now += self.first_cost if self._fresh else self.cost
-        self._fresh = False
-        return self.inner.propose(ctx)
-
-    def observe(self, feedback):
-        self.inner.observe(feedback)
+    def observe(self, state, feedback):
+        self.inner.observe(state["inner"], feedback)
 
 
 def _auto(candidates: dict, clock: FakeClock, **options) -> AutoDrafter:
@@ -90,19 +85,19 @@ class Switchable(Drafter):
         self.easy, self.hard_drafter, self.hard = easy, hard, True
         self.target_hidden_layers = ()
 
-    def reset(self):
-        self.easy.reset()
-        self.hard_drafter.reset()
+    def start(self, ctx):
+        return {"easy": self.easy.start(ctx), "hard": self.hard_drafter.start(ctx)}
 
-    def prefill(self, ctx):
-        self.easy.prefill(ctx)
-        self.hard_drafter.prefill(ctx)
+    def propose(self, state, ctx):
+        if self.hard:
+            return self.hard_drafter.propose(state["hard"], ctx)
+        return self.easy.propose(state["easy"], ctx)
 
-    def propose(self, ctx):
-        return (self.hard_drafter if self.hard else self.easy).propose(ctx)
-
-    def observe(self, feedback):
-        (self.hard_drafter if self.hard else self.easy).observe(feedback)
+    def observe(self, state, feedback):
+        if self.hard:
+            self.hard_drafter.observe(state["hard"], feedback)
+        else:
+            self.easy.observe(state["easy"], feedback)
 
 
 def _setup(arch: str = "llama"):
@@ -232,6 +227,8 @@ def test_switching_rebuilds_stateful_drafters_from_the_committed_context(arch):
                   "eagle": Costly(eagle, clock, 1.0), "medusa": Costly(medusa, clock, 1.0)},
                  clock, decide_every=3, probe_steps=3)
     assert set(auto.target_hidden_layers) == set(eagle.target_hidden_layers) | set(medusa.target_hidden_layers)
+    runs = []
+    auto.start = lambda ctx: runs.append(AutoDrafter.start(auto, ctx)) or runs[-1]  # to look at it after
     result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
     assert result.token_ids == list(continuation)
     assert [m for m, _ in result.stats.method_steps[:4]] == ["pld", "eagle", "medusa", "ar"]
@@ -240,7 +237,7 @@ def test_switching_rebuilds_stateful_drafters_from_the_committed_context(arch):
     fresh = target.forward(ids[:committed], target.new_cache(), num_logits=1,
                            hidden_layers=auto.target_hidden_layers).hidden_states
     for layer in auto.target_hidden_layers:
-        torch.testing.assert_close(torch.cat(auto._hidden[layer]), fresh[layer])
+        torch.testing.assert_close(torch.cat(runs[0]._hidden[layer]), fresh[layer])
 
 
 def test_auto_over_the_default_candidates_is_greedy_exact_on_the_real_clock():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import specwise
-from conftest import ARCHS, make_target, random_prompt, reference_greedy
+from conftest import ARCHS, keeping, make_target, random_prompt, reference_greedy
 from specwise.api import load_drafter
 from specwise.drafters import base
 from specwise.drafters.checkpoint import DrafterCheckpoint, save_checkpoint, target_fingerprint
@@ -107,23 +107,24 @@ def test_drafting_equals_the_training_forward_and_the_cache_follows_the_accepted
     target = make_target(arch, eos=(), attn_implementation="sdpa")
     model = make_dflash(target, block_size=5, window=6)
     prompt = random_prompt(9, seed=3)
-    drafter = DFlashDrafter(target, DFlashDrafterConfig(lookup_tokens=0, min_path_prob=0.0), model=model)
+    drafter = keeping(DFlashDrafter)(target, DFlashDrafterConfig(lookup_tokens=0, min_path_prob=0.0), model=model)
     out = speculative_generate(target, drafter, prompt, max_new_tokens=25, sampling=SamplingConfig())
     tokens, stats = out.token_ids, out.stats
     assert stats.target_forwards > 1
     committed = torch.cat([prompt, torch.tensor(tokens)])
     features = target_features(target, committed)
     # the cache holds exactly the committed positions' context (the last root's features come later)
-    drafter._catch_up()
-    n = drafter.caches[0].length
+    state = drafter.kept
+    drafter._catch_up(state.model)
+    n = state.model.caches[0].length
     fresh = model.context_keys_values(model.fuse(features[:n]), torch.arange(n))
-    for cache, (k, v) in zip(drafter.caches, fresh):
+    for cache, (k, v) in zip(state.model.caches, fresh):
         torch.testing.assert_close(cache.keys[:n], k, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(cache.values[:n], v, rtol=1e-10, atol=1e-10)
     # the next proposal equals the training forward's block at the root
     root = n
     ctx = DraftContext(committed[: root + 1], 10, SamplingConfig(), None, root)
-    proposal = drafter.propose(ctx).tokens
+    proposal = drafter.propose(state, ctx).tokens
     want = model(features[None, : root + 1], committed[None, : root + 1], torch.tensor([[root]]))[0, 0].argmax(-1)
     assert proposal.tolist() == model.vocab[want].tolist()
 
@@ -235,11 +236,11 @@ def test_greedy_accepts_when_the_drafter_guesses_right(monkeypatch):
     model = make_dflash(target, block_size=6)
     prompt = random_prompt(10, seed=6)
     truth = reference_greedy(target.model, prompt, 40)
-    drafter = DFlashDrafter(target, DFlashDrafterConfig(lookup_tokens=0, min_path_prob=0.0), model=model)
+    drafter = keeping(DFlashDrafter)(target, DFlashDrafterConfig(lookup_tokens=0, min_path_prob=0.0), model=model)
     real_propose = drafter.propose
 
-    def oracle(ctx):
-        real_propose(ctx)  # keep the cache bookkeeping
+    def oracle(state, ctx):
+        real_propose(state, ctx)  # keep the cache bookkeeping
         done = ctx.token_ids.numel() - prompt.numel()
         from specwise.engine.types import Proposal
         return Proposal(torch.tensor(truth[done: done + min(5, ctx.max_draft_tokens)], dtype=torch.long))
@@ -248,8 +249,8 @@ def test_greedy_accepts_when_the_drafter_guesses_right(monkeypatch):
     out = speculative_generate(target, drafter, prompt, max_new_tokens=40, sampling=SamplingConfig())
     tokens, stats = out.token_ids, out.stats
     assert tokens == truth and stats.mean_accepted_length == 40 / 8  # prefill, then 7 steps of 5 drafts + 1
-    drafter._catch_up()
-    assert drafter.caches[0].length == prompt.numel() + 40 - 1
+    drafter._catch_up(drafter.kept.model)
+    assert drafter.kept.model.caches[0].length == prompt.numel() + 40 - 1
 
 
 def test_eos_inside_a_block_stops_generation_there():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import specwise
-from conftest import ARCHS, make_target, random_prompt, reference_greedy
+from conftest import ARCHS, Started, keeping, make_target, random_prompt, reference_greedy
 from specwise.api import load_drafter
 from specwise.drafters.checkpoint import DrafterCheckpoint, save_checkpoint, target_fingerprint
 from specwise.drafters.eagle import EagleDrafter, EagleDrafterConfig, load_eagle_head
@@ -96,14 +96,14 @@ def reference_tree(head: EagleHead, features, next_ids, depth: int, k: int, tota
     return tokens, parents
 
 
-def _prefilled(target, head, ids: torch.Tensor, **options) -> EagleDrafter:
-    """A drafter told the committed tokens ``ids`` (the last one is the root); a fixed budget unless
-    ``min_path_prob`` is given."""
-    drafter = EagleDrafter(target, EagleDrafterConfig(**{"min_path_prob": 0.0, "lookup_tokens": 0, **options}), head=head)
+def _prefilled(target, head, ids: torch.Tensor, drafter_cls=None, **options) -> Started:
+    """A drafter started on the committed tokens ``ids`` (the last one is the root); a fixed budget
+    unless ``min_path_prob`` is given."""
+    config = EagleDrafterConfig(**{"min_path_prob": 0.0, "lookup_tokens": 0, **options})
+    drafter = (drafter_cls or EagleDrafter)(target, config, head=head)
     out = target.model(input_ids=ids[None, :-1], output_hidden_states=True)
     hidden = {i: out.hidden_states[i][0] for i in LAYERS}
-    drafter.prefill(DraftContext(ids, 0, SamplingConfig(), None, ids.numel() - 1, hidden))
-    return drafter
+    return Started(drafter, DraftContext(ids, 0, SamplingConfig(), None, ids.numel() - 1, hidden))
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -158,9 +158,9 @@ def test_feature_taps_match_the_targets_hidden_states(arch):
     seen: list[torch.Tensor] = []
 
     class Tap(EagleDrafter):
-        def _queue(self, hidden_states, next_tokens):
+        def _queue(self, state, hidden_states, next_tokens):
             seen.append(torch.cat([hidden_states[i] for i in LAYERS], dim=-1))
-            super()._queue(hidden_states, next_tokens)
+            super()._queue(state, hidden_states, next_tokens)
 
     prompt = random_prompt(12, seed=3)
     drafter = Tap(target, EagleDrafterConfig(lookup_tokens=0, min_path_prob=0.0, depth=3, tree_top_k=16, total_tokens=20), head=make_head(target))
@@ -236,11 +236,10 @@ def test_min_path_prob_keeps_the_full_trees_nodes_above_it(min_path_prob):
     head = make_head(target, window=8)
     ids = random_prompt(15, seed=7)
     options = dict(depth=4, tree_top_k=4, total_tokens=12)
-    full = _prefilled(target, head, ids, **options)
-    full.__class__ = _Scored
+    full = _prefilled(target, head, ids, drafter_cls=_Scored, **options)
     ctx = DraftContext(ids, 50, SamplingConfig(), None, ids.numel() - 1)
     whole = full.propose(ctx)
-    index, score, parent = full.candidates
+    index, score, parent = full.drafter.candidates
     from specwise.engine.tree import best_nodes_tree
 
     chosen, _ = best_nodes_tree(score, parent, options["total_tokens"])
@@ -266,19 +265,22 @@ def test_head_cache_after_partial_acceptance_equals_a_fresh_run(arch):
     target = make_target(arch, eos=(), attn_implementation="sdpa")
     head = make_head(target, window=10)
     prompt = random_prompt(9, seed=11)
-    drafter = EagleDrafter(target, EagleDrafterConfig(lookup_tokens=0, min_path_prob=0.0, depth=4, tree_top_k=24, total_tokens=30), head=head)
+    drafter = keeping(EagleDrafter)(target, EagleDrafterConfig(lookup_tokens=0, min_path_prob=0.0, depth=4,
+                                                                 tree_top_k=24, total_tokens=30), head=head)
     out = speculative_generate(target, drafter, prompt, max_new_tokens=24, sampling=SamplingConfig())
     tokens, stats = out.token_ids, out.stats
     partial = [a for a in stats.accepted_lengths if 0 < a]
     assert partial and stats.accepted_tokens < stats.drafted_tokens  # some accepted, some rejected
     committed = torch.cat([prompt, torch.tensor(tokens)])
-    root_h = drafter._catch_up()
+    used = drafter.kept.model
+    root_h = drafter._catch_up(used)
     fresh = _prefilled(target, head, committed)
-    fresh_root_h = fresh._catch_up()
+    fresh_root_h = fresh.drafter._catch_up(fresh.state.model)
     n = committed.numel() - 1
-    assert drafter.cache.length == fresh.cache.length == n
-    torch.testing.assert_close(drafter.cache.keys[:n], fresh.cache.keys[:n], rtol=0, atol=1e-10)
-    torch.testing.assert_close(drafter.cache.values[:n], fresh.cache.values[:n], rtol=0, atol=1e-10)
+    new = fresh.state.model.cache
+    assert used.cache.length == new.length == n
+    torch.testing.assert_close(used.cache.keys[:n], new.keys[:n], rtol=0, atol=1e-10)
+    torch.testing.assert_close(used.cache.values[:n], new.values[:n], rtol=0, atol=1e-10)
     torch.testing.assert_close(root_h, fresh_root_h, rtol=0, atol=1e-10)
 
 

@@ -16,7 +16,6 @@ from conftest import make_model, make_target, random_prompt
 from specwise.drafters import base
 from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter
 from specwise.engine.drafter import Drafter
-from specwise.engine.types import Proposal
 from specwise.errors import ConfigError, DrafterError, PromptError, SpecwiseError, TargetLoadError
 from specwise.models.common import check_flag, check_int, check_probability
 
@@ -191,32 +190,45 @@ def test_every_error_class_is_a_specwise_error():
         assert issubclass(error, SpecwiseError)
 
 
-class _BlockingDrafter(Drafter):
-    """Proposes nothing, but its first proposal waits until the test releases it."""
+class _Meeting(Drafter):
+    """``inner``'s proposals; each generation's first proposal waits until ``parties`` generations
+    are inside one at once, so they run side by side."""
 
-    method = "blocking"
+    def __init__(self, inner: Drafter, parties: int) -> None:
+        self.inner, self.method = inner, inner.method
+        self.barrier = threading.Barrier(parties, timeout=30)
 
-    def __init__(self) -> None:
-        self.entered, self.release = threading.Event(), threading.Event()
+    def start(self, ctx):
+        return [self.inner.start(ctx), True]
 
-    def propose(self, ctx):
-        self.entered.set()
-        assert self.release.wait(30)
-        return Proposal.empty(ctx.token_ids.device)
+    def propose(self, state, ctx):
+        if state[1]:
+            state[1] = False
+            self.barrier.wait()
+        return self.inner.propose(state[0], ctx)
+
+    def observe(self, state, feedback):
+        self.inner.observe(state[0], feedback)
 
 
-def test_a_drafter_running_in_another_call_is_refused(target):
-    drafter = _BlockingDrafter()
-    first = threading.Thread(target=specwise.generate, args=(target, PROMPT), kwargs=dict(drafter=drafter, max_new_tokens=3))
-    first.start()
-    try:
-        assert drafter.entered.wait(30)
-        with _raises(DrafterError, "already in use"):
-            specwise.generate(target, PROMPT, drafter=drafter, max_new_tokens=3)
-    finally:
-        drafter.release.set()
-        first.join()
-    assert len(specwise.generate(target, PROMPT, drafter=drafter, max_new_tokens=3).token_ids) == 3  # free again
+def test_one_drafter_used_by_two_threads_at_once_gives_each_the_sequential_tokens(target):
+    """A drafter holds no per-generation state: two generations through one stateful drafter
+    (Lookahead: its pool and window) side by side give what each gives alone."""
+    prompts = [random_prompt(12, seed=4), random_prompt(12, seed=9)]
+    drafter = specwise.build_drafter(target, "lookahead")
+    sequential = [specwise.generate(target, p, drafter=drafter, max_new_tokens=40).token_ids for p in prompts]
+    meeting = _Meeting(drafter, parties=2)
+    results: list = [None, None]
+
+    def run(i):
+        results[i] = specwise.generate(target, prompts[i], drafter=meeting, max_new_tokens=40).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == sequential and sequential[0] != sequential[1]
 
 
 def test_a_drafter_built_for_another_target_is_refused(target):

@@ -241,10 +241,10 @@ def test_drafters_get_the_target_hidden_states_of_committed_positions(arch):
     prefill, steps = [], []
 
     class Drafter(_HiddenStateOracle):
-        def prefill(self, ctx):
+        def start(self, ctx):
             prefill.append({i: h.clone() for i, h in ctx.hidden_states.items()})
 
-        def observe(self, feedback):
+        def observe(self, state, feedback):
             steps.append((feedback.token_ids.numel(), feedback.num_accepted,
                           {i: h.clone() for i, h in feedback.hidden_states.items()}))
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import specwise
-from conftest import ARCHS, make_target, random_prompt, reference_greedy
+from conftest import ARCHS, Started, make_target, random_prompt, reference_greedy
 from specwise.api import load_drafter
 from specwise.drafters.checkpoint import DrafterCheckpoint, save_checkpoint, target_fingerprint
 from specwise.drafters.medusa import MedusaDrafter, MedusaDrafterConfig, MedusaTree, load_medusa_heads
@@ -113,8 +113,8 @@ def test_proposal_takes_each_depths_tokens_from_its_heads_ranking():
     ids = random_prompt(8)
     out = target.model(input_ids=ids[None], output_hidden_states=True)
     hidden = {2: out.hidden_states[2][0]}
-    drafter.prefill(DraftContext(ids, 0, SamplingConfig(), None, 7, hidden))
-    proposal = drafter.propose(DraftContext(ids, 10, SamplingConfig(), None, 7))
+    started = Started(drafter, DraftContext(ids, 0, SamplingConfig(), None, 7, hidden))
+    proposal = started.propose(DraftContext(ids, 10, SamplingConfig(), None, 7))
     order = heads(hidden[2][-1]).argsort(dim=-1, descending=True)  # [K, Vd]
     want = [order[len(p) - 1, p[-1]] for p in tree.paths]
     assert proposal.tokens.tolist() == heads.vocab[torch.stack(want)].tolist()
@@ -140,9 +140,9 @@ def test_min_path_prob_drops_the_nodes_whose_path_probability_is_below_it():
     # with a margin far above the drafter's float32 rounding of its log path probabilities
     cut = (sorted(path)[2] * sorted(path)[3]) ** 0.5
     drafter = MedusaDrafter(target, MedusaDrafterConfig(lookup_tokens=0, min_path_prob=cut), heads=heads, tree=tree)
-    drafter.prefill(DraftContext(ids, 0, SamplingConfig(), None, 7, hidden))
+    drafter = Started(drafter, DraftContext(ids, 0, SamplingConfig(), None, 7, hidden))
     whole = MedusaDrafter(target, MedusaDrafterConfig(lookup_tokens=0, min_path_prob=0.0), heads=heads, tree=tree)
-    whole.prefill(DraftContext(ids, 0, SamplingConfig(), None, 7, hidden))
+    whole = Started(whole, DraftContext(ids, 0, SamplingConfig(), None, 7, hidden))
     ctx = DraftContext(ids, 10, SamplingConfig(), None, 7)
     kept = [i for i in range(6) if path[i] >= cut]
     proposal, full = drafter.propose(ctx), whole.propose(ctx)
@@ -150,7 +150,7 @@ def test_min_path_prob_drops_the_nodes_whose_path_probability_is_below_it():
     renumber = {0: 0, **{i + 1: n + 1 for n, i in enumerate(kept)}}
     assert proposal.parents.tolist() == [renumber[full_parents[i]] for i in kept]
     everything = MedusaDrafter(target, MedusaDrafterConfig(lookup_tokens=0, min_path_prob=0.999), heads=heads, tree=tree)
-    everything.prefill(DraftContext(ids, 0, SamplingConfig(), None, 7, hidden))
+    everything = Started(everything, DraftContext(ids, 0, SamplingConfig(), None, 7, hidden))
     assert everything.propose(ctx).tokens.numel() == 0
     with pytest.raises(ConfigError, match="min_path_prob"):
         MedusaDrafterConfig(min_path_prob=-0.5)

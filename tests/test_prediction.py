@@ -77,8 +77,8 @@ def test_a_draft_models_cache_follows_the_predictions_accepted_path():
     proposals = []
     propose = inner.propose
 
-    def recording_propose(ctx):
-        proposal = propose(ctx)
+    def recording_propose(state, ctx):
+        proposal = propose(state, ctx)
         proposals.append((ctx.token_ids.tolist(), proposal.tokens.tolist()))
         return proposal
 

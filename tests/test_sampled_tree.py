@@ -87,9 +87,9 @@ def test_sampled_eagle_tree_has_width_children_per_level_under_the_expanded_node
                             hidden_layers=drafter.target_hidden_layers).hidden_states
     sampling = SamplingConfig(temperature=1.0)
     for seed in range(5):
-        drafter.reset()
-        drafter.prefill(DraftContext(ids, 0, sampling, None, ids.numel() - 1, hidden))
-        proposal = drafter.propose(DraftContext(ids, 8, sampling, torch.Generator().manual_seed(seed), ids.numel() - 1))
+        state = drafter.start(DraftContext(ids, 0, sampling, None, ids.numel() - 1, hidden))
+        proposal = drafter.propose(state, DraftContext(ids, 8, sampling, torch.Generator().manual_seed(seed),
+                                                       ids.numel() - 1))
         tree = DraftTree.build(ids[-1], proposal.tokens, proposal.parents)
         assert tree.depth[1:].tolist() == [1, 1, 2, 2, 3, 3, 4, 4]
         parents = proposal.parents.tolist()

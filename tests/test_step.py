@@ -35,8 +35,8 @@ class RejectEveryDraft(AcceptanceRule):
 def with_rule(drafter_cls: type, rule: AcceptanceRule) -> type:
     """``drafter_cls`` whose proposals name ``rule`` as their acceptance rule."""
 
-    def propose(self, ctx):
-        return dataclasses.replace(drafter_cls.propose(self, ctx), acceptance=rule)
+    def propose(self, state, ctx):
+        return dataclasses.replace(drafter_cls.propose(self, state, ctx), acceptance=rule)
 
     return type(f"{drafter_cls.__name__}With{type(rule).__name__}", (drafter_cls,), {"propose": propose})
 

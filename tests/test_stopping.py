@@ -103,7 +103,7 @@ def test_prompt_lookup_drafts_nothing_past_an_eos(match):
     target = make_target("llama", eos=[1])
     drafter = PromptLookupDrafter(target, PromptLookupConfig(num_draft_tokens=8, match=match))
     context = torch.tensor([5, 6, 1, 7, 8, 9, 5, 6])
-    proposal = drafter.propose(DraftContext(context, 8, SamplingConfig(), None, len(context) - 1))
+    proposal = drafter.propose(None, DraftContext(context, 8, SamplingConfig(), None, len(context) - 1))
     assert proposal.tokens.tolist() == [1]
 
 

@@ -478,8 +478,8 @@ class FutureJunkDrafter(TreeOracleDrafter):
     token after the right child): a verifier that penalised a node for its siblings' tokens, not just
     its ancestors', would push that token down."""
 
-    def propose(self, ctx):
-        proposal = super().propose(ctx)
+    def propose(self, state, ctx):
+        proposal = super().propose(state, ctx)
         start = ctx.token_ids.numel() - self.prompt_length
         if start + 1 >= len(self.continuation) or self.continuation[start + 1] == self.continuation[start]:
             return proposal

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from contextlib import contextmanager
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -20,15 +20,17 @@ from specwise.engine.token_ids import check_token_ids
 from specwise.engine.types import GenerationResult
 from specwise.errors import ConfigError, DrafterError, PromptError
 
-#: ids of the drafters a ``generate`` call is running right now (a drafter holds per-call state)
-_DRAFTERS_IN_USE: set[int] = set()
-_DRAFTERS_LOCK = threading.Lock()
+#: drafters :func:`generate` keeps per target for the option sets it was called with (least
+#: recently used dropped): a drafter is shared, so repeated calls reuse one
+KEPT_DRAFTERS = 8
 
 
 def build_drafter(target, method: str, **options: Any) -> Drafter:
     """Instantiate the drafter registered as ``method`` with its typed options.
 
-    The drafter remembers ``target`` (``built_for``): :func:`generate` refuses it with another one.
+    The drafter holds no per-generation state: any number of :func:`generate` calls, threads
+    included, may use it at once. Trained weights are read once per target and shared by every
+    drafter built for it. :func:`generate` refuses the drafter with another target.
 
     Raises:
         DrafterError: unknown method (the message lists the available ones) or a bad drafter.
@@ -36,8 +38,27 @@ def build_drafter(target, method: str, **options: Any) -> Drafter:
             method that uses none included).
     """
     spec, config = spec_and_config(method, **options)
-    drafter = spec.factory(target, config)
-    drafter.built_for = target
+    return spec.factory(target, config)
+
+
+def shared_drafter(target, method: str, **options: Any) -> Drafter:
+    """The drafter for ``method`` with ``options`` kept on ``target`` (built on first use; the
+    :data:`KEPT_DRAFTERS` most recently used option sets are kept), so repeated calls cost no rebuild.
+
+    Raises:
+        as :func:`build_drafter`.
+    """
+    spec, config = spec_and_config(method, **options)
+    kept = target.__dict__.setdefault("_kept_drafters", OrderedDict())
+    lock = target.__dict__.setdefault("_kept_drafters_lock", threading.Lock())
+    key = (method, config)
+    with lock:
+        drafter = kept.pop(key, None)
+        if drafter is None:
+            drafter = spec.factory(target, config)
+        kept[key] = drafter
+        while len(kept) > KEPT_DRAFTERS:
+            kept.popitem(last=False)
     return drafter
 
 
@@ -75,9 +96,7 @@ def load_drafter(path: str | Path, target, **options):
     """
     config = read_config(path)
     spec = METHODS.get(config["method"])
-    drafter = spec.factory(target, spec.make_config(drafter_path=str(path), **options))
-    drafter.built_for = target
-    return drafter
+    return spec.factory(target, spec.make_config(drafter_path=str(path), **options))
 
 
 def generate(
@@ -115,7 +134,9 @@ def generate(
             (Qwen's ``<|im_end|>``, Gemma's ``<end_of_turn>``), which ``text`` leaves out.
         method: a registered method name (``ar``, ``pld``, ``draft``, ...); ignored when
             ``drafter`` is given.
-        drafter: an already built drafter, reused across calls (it is reset per call). The weights
+        drafter: an already built drafter (:func:`build_drafter`), reused across calls and threads
+            (it holds no per-generation state); by default ``method``'s drafter with
+            ``method_options``, kept on the target for the next call (:func:`shared_drafter`). The weights
             of a trained method are the method option ``drafter_path`` (``--drafter PATH``); a path
             given here is still read as that (deprecated).
         max_new_tokens: number of new tokens, >= 1 (fewer if an EOS or stop string comes first).
@@ -143,8 +164,8 @@ def generate(
         :class:`GenerationResult` with ``text``, ``token_ids``, ``stats`` (:class:`SpecStats`),
         ``finish_reason`` (``stop`` / ``length`` / ``eos``) and ``stop_string``.
 
-    Thread safety: a ``Target`` may serve concurrent calls (each call owns its KV cache and RNG);
-    a drafter may not, so give each thread its own.
+    Thread safety: a ``Target`` and a drafter may serve concurrent calls (each call owns its KV
+    cache, its drafting state and its RNG).
 
     Raises:
         PromptError: empty prompt, text that is not valid UTF-8, token ids of another type or
@@ -152,8 +173,7 @@ def generate(
             target's context; both or neither of ``prompt`` and ``messages``, malformed messages, or
             messages for a target without a chat template.
         ConfigError: options out of range or of the wrong type (``stop``, ``seed`` included).
-        DrafterError: unknown method, a bad drafter, a drafter built for another target, or one
-            already running in another call.
+        DrafterError: unknown method, a bad drafter, or a drafter built for another target.
     """
     sampling = SamplingConfig(temperature, top_k, top_p, repetition_penalty)
     check_seed(seed)
@@ -183,11 +203,11 @@ def generate(
             f"but the target's context holds {target.max_context} tokens."
         )
     if drafter is None:
-        drafter = build_drafter(target, method, **method_options)
+        drafter = shared_drafter(target, method, **method_options)
     elif method_options:
         raise ConfigError("method options cannot be combined with an already built drafter.")
-    elif getattr(drafter, "built_for", None) is not None and drafter.built_for is not target:
-        raise DrafterError(f"this drafter was built for another target ({drafter.built_for.name}), not "
+    elif getattr(drafter, "target", None) is not None and drafter.target is not target:
+        raise DrafterError(f"this drafter was built for another target ({drafter.target.name}), not "
                            f"{target.name}; build one with specwise.build_drafter(target, ...).")
     generator = None
     if not sampling.is_greedy or seed is not None:
@@ -200,12 +220,11 @@ def generate(
     if prediction is not None:
         running = PredictionDrafter(drafter, prediction_ids(target, prediction),
                                     torch.tensor(sorted(target.eos_token_ids), dtype=torch.long))
-    with _exclusive(drafter):
-        result = speculative_generate(
-            target, running, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-            generator=generator, stop_strings=stop, streamer=streamer, text_streamer=text_streamer,
-            eos_token_ids=eos_token_ids, include_stop=include_stop,
-        )
+    result = speculative_generate(
+        target, running, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+        generator=generator, stop_strings=stop, streamer=streamer, text_streamer=text_streamer,
+        eos_token_ids=eos_token_ids, include_stop=include_stop,
+    )
     if prediction is not None:
         result.stats.prediction_accepted_tokens = running.accepted_tokens
         result.stats.prediction_rejected_tokens = running.rejected_tokens
@@ -251,22 +270,6 @@ def check_text(what: str, text: str, error: type[Exception] = PromptError) -> No
     except UnicodeEncodeError as exc:
         raise error(f"{what} is not valid UTF-8 text: it holds the lone surrogate U+{ord(text[exc.start]):04X} "
                     f"at character {exc.start} (invalid bytes in the input).") from None
-
-
-@contextmanager
-def _exclusive(drafter):
-    """Hold ``drafter`` for one generation; a second concurrent call with it is refused (it holds
-    per-generation state such as its KV cache)."""
-    with _DRAFTERS_LOCK:
-        if id(drafter) in _DRAFTERS_IN_USE:
-            raise DrafterError(f"this {type(drafter).__name__} is already in use by another generate call; "
-                               "a drafter holds per-call state, so build one per thread.")
-        _DRAFTERS_IN_USE.add(id(drafter))
-    try:
-        yield
-    finally:
-        with _DRAFTERS_LOCK:
-            _DRAFTERS_IN_USE.discard(id(drafter))
 
 
 def encode_prompt(target, prompt) -> torch.Tensor:

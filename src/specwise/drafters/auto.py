@@ -28,6 +28,7 @@ their ``prefill``, and a draft model re-reads the context on its next ``propose`
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -117,7 +118,6 @@ def build_candidates(target, config: AutoConfig) -> dict[str, Drafter]:
             if explicit:
                 raise
             continue
-        drafter.built_for = target
         built[spec] = drafter
     if not built:
         raise DrafterError(f"auto has no candidate method that runs on {target.name}.")
@@ -194,17 +194,43 @@ class AutoDrafter(Drafter):
             path = profile_path(target, default_cache_dir()) if config.remember else None
             profile = AutoProfile(path)
         self.profile = profile
-        self.reset()
+        self.target = target
+        self.lock = threading.Lock()  # the profile is shared by every generation, threads included
 
-    # ------------------------------------------------------------------ per generation
-    def reset(self) -> None:
-        if getattr(self, "active", None) is not None and self._segment.steps:
-            # the last generation ended inside a segment: keep what it measured (a request shorter
-            # than a probe would otherwise leave every probe unfinished, and auto on its first candidate)
-            self._remember(self._segment)
+    def start(self, ctx: DraftContext) -> AutoRun:
+        return AutoRun(self, ctx)
+
+    def active_method(self, state: AutoRun) -> str:
+        return state.active or self.method
+
+    def propose(self, state: AutoRun, ctx: DraftContext) -> Proposal:
+        return state.propose(ctx)
+
+    def observe(self, state: AutoRun, feedback: StepFeedback) -> None:
+        state.observe(feedback)
+
+    def finish(self, state: AutoRun) -> None:
+        state.finish()
+
+
+
+class AutoRun:
+    """One generation of ``auto``: the running candidate and its state, the segment being measured,
+    and the hidden states kept to rebuild another candidate's state from. The measurements go into
+    the drafter's shared profile.
+
+    Args:
+        auto: the :class:`AutoDrafter`.
+        ctx: the generation's start (the prompt, the first root and the prompt's hidden states).
+    """
+
+    def __init__(self, auto: AutoDrafter, ctx: DraftContext) -> None:
+        self.auto, self.config, self.candidates = auto, auto.config, auto.candidates
+        self.profile, self.clock = auto.profile, auto.clock
         self.active: str | None = None  # the running candidate's spec
+        self.state = None  # ... and its state
         self._mode = "greedy"
-        self._hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.target_hidden_layers}
+        self._hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in auto.target_hidden_layers}
         self._step_start: float | None = None
         self._last_tokens = 0  # tokens the last verified step emitted
         self._this_text: dict[str, float] = {}  # candidates left in this generation for cause: their rate here
@@ -217,20 +243,25 @@ class AutoDrafter(Drafter):
         self._known: dict[str, Estimate] = {}  # the candidates' estimates as they stood before this generation
         self._started: set[str] = set()  # candidates run in this generation
         self._counted: set[str] = set()  # ... whose steps here are in the profile (this text counted)
-
-    @property
-    def active_method(self) -> str:
-        return self.active or self.method
-
-    def prefill(self, ctx: DraftContext) -> None:
         self._mode = regime(ctx.sampling)
         # decisions in this generation compare this text with the texts before it: the segments
         # measured here go into the profile for later generations, not into the standard they are
         # judged against (a hard text lowers the running drafter's remembered speed segment by
         # segment, and against that moving standard drafters traded places on every decision)
-        self._known = {spec: replace(self.profile.get(self._mode, spec)) for spec in self.candidates}
+        with auto.lock:
+            self._known = {spec: replace(self.profile.get(self._mode, spec)) for spec in self.candidates}
+            choice = self._choose(None)
         self._keep_hidden(ctx.hidden_states)
-        self._switch(self._choose(None), ctx)
+        self._switch(choice, ctx)
+
+    def finish(self) -> None:
+        """Keep what the last segment measured (a generation that ends inside one: a request shorter
+        than a probe would otherwise leave every probe unfinished, and auto on its first candidate)."""
+        if self.active is not None:
+            if self._segment.steps:
+                with self.auto.lock:
+                    self._remember(self._segment)
+            self.candidates[self.active].finish(self.state)
 
     def propose(self, ctx: DraftContext) -> Proposal:
         now = self.clock()
@@ -241,14 +272,17 @@ class AutoDrafter(Drafter):
             else:
                 self._measure(self._last_tokens, seconds)
         if self._segment.steps >= self._segment_length:
-            self._decide(ctx)
+            with self.auto.lock:
+                choice = self._decide(ctx)
+            if choice != self.active:
+                self._switch(choice, ctx)
         self._step_start = self.clock()
-        return self.candidates[self.active].propose(ctx)
+        return self.candidates[self.active].propose(self.state, ctx)
 
     def observe(self, feedback: StepFeedback) -> None:
         self._keep_hidden(feedback.hidden_states)
         self._last_tokens = feedback.num_accepted + 1
-        self.candidates[self.active].observe(feedback)
+        self.candidates[self.active].observe(self.state, feedback)
 
     # ------------------------------------------------------------------ decisions
     def _keep_hidden(self, hidden_states: dict[int, torch.Tensor]) -> None:
@@ -264,7 +298,8 @@ class AutoDrafter(Drafter):
         usual = self.profile.get(self._mode, self.active)
         if self._rebuild_s is not None and usual.steps:
             extra = self._rebuild_s + max(0.0, seconds - usual.seconds)
-            self.profile.get("rebuild", self.active).update(ctx.token_ids.numel(), extra, 1, MEMORY)
+            with self.auto.lock:
+                self.profile.get("rebuild", self.active).update(ctx.token_ids.numel(), extra, 1, MEMORY)
 
     def _measure(self, tokens: int, seconds: float) -> None:
         """One verified step of the running candidate, into the segment."""
@@ -280,16 +315,16 @@ class AutoDrafter(Drafter):
         if self._probe:  # a probe here joins the standard (it is a measurement, not a drift)
             self._known[self.active] = replace(self.profile.get(self._mode, self.active))
 
-    def _decide(self, ctx: DraftContext) -> None:
-        """End the segment: remember what it measured, then keep the running candidate or switch."""
+    def _decide(self, ctx: DraftContext) -> str:
+        """End the segment: remember what it measured; the candidate to run next (a new segment
+        starts here when it is the running one, else :meth:`_switch` starts it)."""
         if self._segment.steps:
             self._remember(self._segment)
         self._last_segment = self._segment
         choice = self._choose(ctx)
-        if choice != self.active:
-            self._switch(choice, ctx)
-        else:
+        if choice == self.active:
             self._start_segment(choice)
+        return choice
 
     def _choose(self, ctx: DraftContext | None) -> str:
         """The candidate to run next: one still to probe in this regime (:meth:`_probe_length`; plain
@@ -355,10 +390,12 @@ class AutoDrafter(Drafter):
         """Make ``spec`` the running candidate, its state rebuilt from the committed context."""
         drafter = self.candidates[spec]
         start = self.clock()
-        drafter.reset()
+        if self.active is not None:
+            self.candidates[self.active].finish(self.state)
         hidden = {layer: torch.cat(self._hidden[layer]) for layer in drafter.target_hidden_layers}
-        drafter.prefill(DraftContext(token_ids=ctx.token_ids, max_draft_tokens=0, sampling=ctx.sampling,
-                                     generator=ctx.generator, cache_length=ctx.cache_length, hidden_states=hidden))
+        self.state = drafter.start(DraftContext(token_ids=ctx.token_ids, max_draft_tokens=0, sampling=ctx.sampling,
+                                                generator=ctx.generator, cache_length=ctx.cache_length,
+                                                hidden_states=hidden))
         # a switch mid-generation: the prefill and the first step's excess are the rebuild's cost
         self._rebuild_s = self.clock() - start if self.active is not None else None
         if self.active is not None and self._last_segment.steps >= self.config.probe_steps:
@@ -366,5 +403,6 @@ class AutoDrafter(Drafter):
         self._first_step = True
         self.active = spec
         self._last_segment = Segment()
-        self._start_segment(spec)
+        with self.auto.lock:
+            self._start_segment(spec)
         self._started.add(spec)

@@ -19,6 +19,7 @@ class AutoregressiveDrafter(Drafter):
 
     def __init__(self, target, config: AutoregressiveConfig) -> None:
         self.config = config
+        self.target = target
 
-    def propose(self, ctx: DraftContext) -> Proposal:
+    def propose(self, state, ctx: DraftContext) -> Proposal:
         return Proposal.empty(ctx.token_ids.device)

@@ -7,8 +7,10 @@ re-exported here for drafter modules.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from specwise.engine.drafter import Drafter
@@ -26,6 +28,35 @@ def check_probability_threshold(name: str, value: float) -> None:
         ConfigError: ``value`` is not a number in ``[0, 1)``.
     """
     check_probability(name, value)
+
+
+def loaded_once(target, key: tuple, load: Callable[[], Any]) -> Any:
+    """What ``load()`` returns for ``key``, loaded once per target and kept on the target object (a
+    drafter's weights, a draft model), so every drafter built for ``target`` shares one copy.
+
+    Args:
+        target: the target (any object that takes attributes).
+        key: what identifies the resource, e.g. ``("eagle", "/path/to/head")``.
+        load: builds it; what it raises is raised, and nothing is kept.
+    """
+    resources = target.__dict__.setdefault("_drafter_resources", {})
+    lock = target.__dict__.setdefault("_drafter_resources_lock", threading.Lock())
+    with lock:  # two threads building the same drafter at once load its weights once
+        if key not in resources:
+            resources[key] = load()
+        return resources[key]
+
+
+def on_disk(path) -> tuple:
+    """What identifies the files at ``path`` as they are now, for a :func:`loaded_once` key: the
+    resolved path and each file's size and modification time (a directory's files, one level), so
+    a drafter rewritten in place is loaded again; ``(str(path),)`` for a name that is not a path
+    (a target alias)."""
+    where = Path(path)
+    if not where.exists():
+        return (str(path),)
+    files = sorted(f for f in where.iterdir() if f.is_file()) if where.is_dir() else [where]
+    return (str(where.resolve()), *((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
 
 
 _WARNED: set[tuple[str, str]] = set()

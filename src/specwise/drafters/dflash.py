@@ -38,7 +38,7 @@ length works.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -49,6 +49,7 @@ from specwise.drafters.trained import (
     DrafterModule,
     TrainedDrafter,
     TrainedDrafterConfig,
+    TrainedState,
     check_placement,
     load_or_shipped,
 )
@@ -114,6 +115,14 @@ def load_dflash(path, target) -> DFlashModel:
     return model
 
 
+@dataclass
+class DFlashState:
+    """One generation's DFlash state: a KV cache per drafter layer, and target features not yet in them."""
+
+    caches: list[HeadCache]
+    pending: list[torch.Tensor] = field(default_factory=list)  # [n, F*H] target features
+
+
 @register_drafter("dflash", DFlashDrafterConfig,
                   "DFlash block-diffusion drafter: a whole block in one forward", order=60)
 class DFlashDrafter(TrainedDrafter):
@@ -159,46 +168,45 @@ class DFlashDrafter(TrainedDrafter):
         warn_renamed(type(self).__name__, "num_draft_tokens", "depth")
         return self.depth
 
-    def reset_model(self) -> None:
+    def start_model(self, ctx: DraftContext) -> DFlashState:
         cfg, dtype, device = self.model.config, self.model.dtype, self.model.fc.weight.device
-        self.caches = [HeadCache(cfg.kv_heads, cfg.head_dim, dtype, device) for _ in range(cfg.num_layers)]
-        self._pending: list[torch.Tensor] = []  # [n, F*H] target features not yet in the caches
+        state = DFlashState([HeadCache(cfg.kv_heads, cfg.head_dim, dtype, device) for _ in range(cfg.num_layers)])
+        self._queue(state, ctx.hidden_states)
+        return state
 
-    def _queue(self, hidden_states: dict[int, torch.Tensor]) -> None:
-        self._pending.append(torch.cat([hidden_states[i] for i in self.target_hidden_layers], dim=-1))
+    def _queue(self, state: DFlashState, hidden_states: dict[int, torch.Tensor]) -> None:
+        state.pending.append(torch.cat([hidden_states[i] for i in self.target_hidden_layers], dim=-1))
 
-    def prefill(self, ctx: DraftContext) -> None:
-        self._queue(ctx.hidden_states)
-
-    def observe_model(self, feedback: StepFeedback) -> None:
-        self._queue(feedback.hidden_states)
+    def observe_model(self, model_state: DFlashState, feedback: StepFeedback) -> None:
+        self._queue(model_state, feedback.hidden_states)
 
     @torch.inference_mode()
-    def _catch_up(self) -> None:
-        if not self._pending:
+    def _catch_up(self, state: DFlashState) -> None:
+        if not state.pending:
             return
-        features = torch.cat(self._pending)
-        self._pending = []
-        start = self.caches[0].length
+        features = torch.cat(state.pending)
+        state.pending = []
+        start = state.caches[0].length
         positions = torch.arange(start, start + features.shape[0], device=features.device)
         context = self.model.fuse(features)
-        for cache, (k, v) in zip(self.caches, self.model.context_keys_values(context, positions)):
+        for cache, (k, v) in zip(state.caches, self.model.context_keys_values(context, positions)):
             cache.append(k, v)
 
     @torch.inference_mode()
-    def draft(self, ctx: DraftContext, lookup: torch.Tensor | None) -> Proposal:
+    def draft(self, state: TrainedState, ctx: DraftContext, lookup: torch.Tensor | None) -> Proposal:
         """The block's chain or tree (steps 1-4 of the module docstring; ``lookup`` is not used)."""
-        self._catch_up()
+        caches = state.model.caches
+        self._catch_up(state.model)
         count = min(self.depth, ctx.max_draft_tokens)
         if count <= 0:
             return Proposal.empty(ctx.token_ids.device)
         model, size = self.model, self.model.config.block_size
-        length = self.caches[0].length  # = the root's position
+        length = caches[0].length  # = the root's position
         begin = max(0, length - model.config.attention_window)
         device = ctx.token_ids.device
         x = model.block_input(ctx.token_ids[-1])  # shape: [B, H]
         positions = torch.arange(length, length + size, device=device)
-        context_kv = [(c.keys[begin:length], c.values[begin:length]) for c in self.caches]
+        context_kv = [(c.keys[begin:length], c.values[begin:length]) for c in caches]
         h = model.run_block(x, positions, context_kv)  # the block sees its whole window and itself
         logits = model.logits(h[1: count + 1])  # shape: [count, Vd]
         if self.config.tree_top_k == 1:

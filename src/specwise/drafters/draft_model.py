@@ -25,12 +25,12 @@ verified row for nothing. It changes which tokens are proposed, never the output
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import torch
 
-from specwise.drafters.base import Drafter, DraftingConfig, check_probability, register_drafter
+from specwise.drafters.base import Drafter, DraftingConfig, check_probability, loaded_once, on_disk, register_drafter
 from specwise.drafters.checkpoint import is_checkpoint, load_checkpoint, shipped_drafter
 from specwise.engine.acceptance import VERIFICATION_RULES
 from specwise.engine.cache import KVCache
@@ -158,8 +158,8 @@ class DraftModelDrafter(Drafter):
     """
 
     def __init__(self, target, config: DraftModelConfig, draft_model=None) -> None:
-
         self.config = config
+        self.target = target
         self.vocab_size = target.vocab_size
         if draft_model is None:
             path = config.drafter_path or shipped_drafter(target, "draft")
@@ -168,16 +168,7 @@ class DraftModelDrafter(Drafter):
                     f"method 'draft' needs a draft model for target {target.name}: pass --drafter PATH "
                     f"(train one with `specwise train draft`)."
                 )
-            if is_checkpoint(path):
-                draft_model = load_draft_lm(path, target)
-            else:
-
-                # a GGUF-born draft model takes the target's weight form (native next to native)
-                weights = target.weights if gguf_born(str(path)) else None
-                draft_model, draft_tokenizer, name = load_model_and_tokenizer(
-                    str(path), dtype=target.dtype, device=target.device, role="draft model", weights=weights
-                )
-                check_same_vocabulary(target, draft_model, draft_tokenizer, f"draft model {name}")
+            draft_model = loaded_once(target, ("draft", *on_disk(path)), lambda: _load_draft_model(path, target))
         elif not isinstance(draft_model, DraftLM):
             check_same_vocabulary(target, draft_model)
         weight = next(draft_model.parameters())
@@ -188,28 +179,26 @@ class DraftModelDrafter(Drafter):
             )
         self.model = draft_model
         self.step = _DraftLMStep(draft_model) if isinstance(draft_model, DraftLM) else _HFDraft(draft_model)
-        self.cache = KVCache()
 
-    def reset(self) -> None:
-        self.cache = KVCache()
-        self._root, self._drafted = None, []  # this step's root index (None: not asked) and draft tokens
+    def start(self, ctx: DraftContext) -> DraftModelState:
+        return DraftModelState(KVCache())
 
     @torch.inference_mode()
-    def propose(self, ctx: DraftContext) -> Proposal:
+    def propose(self, state: DraftModelState, ctx: DraftContext) -> Proposal:
         budget = min(self.config.num_draft_tokens, ctx.max_draft_tokens)
         ids = ctx.token_ids
-        self._root, self._drafted = ids.numel() - 1, []
+        state.root, state.drafted = ids.numel() - 1, []
         if self.step.max_positions is not None:  # the k-th draft forward feeds position len(ids) - 1 + k
             budget = min(budget, self.step.max_positions - ids.numel() + 1)
         if budget <= 0:
             return Proposal.empty(ids.device)
         sampling = ctx.sampling
         vocab = self.step.vocab  # None: the draft predicts the target's whole vocabulary
-        feed = ids[self.cache.length:]  # committed tokens the draft has not seen (the root at least)
+        feed = ids[state.cache.length:]  # committed tokens the draft has not seen (the root at least)
         drafts: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for _ in range(budget):
-            logits = self.step.next_logits(feed, self.cache)[None]  # shape: [1, V or Vd]
+            logits = self.step.next_logits(feed, state.cache)[None]  # shape: [1, V or Vd]
             seen = None
             if sampling.uses_history:
                 chain = torch.stack(drafts) if drafts else ids.new_empty(0)
@@ -232,20 +221,48 @@ class DraftModelDrafter(Drafter):
             if confidence is not None and float(confidence) < self.config.confidence_threshold:
                 break
         tokens = torch.stack(drafts)
-        self._drafted = tokens.tolist()
+        state.drafted = tokens.tolist()
         return Proposal(tokens, torch.stack(probs) if probs else None,
                         acceptance=VERIFICATION_RULES[self.config.verification])
 
-    def observe(self, feedback: StepFeedback) -> None:
+    def observe(self, state: DraftModelState, feedback: StepFeedback) -> None:
         # keep the positions whose tokens were committed: the root and the leading drafts the
         # committed tokens repeat (another source's draft may have been accepted instead, e.g. a
         # Predicted Output grafted on); the new root (last token) is fed next round
         valid = feedback.token_ids.numel() - 1
-        if self._root is not None:
-            new = feedback.token_ids[self._root + 1:].tolist()
+        if state.root is not None:
+            new = feedback.token_ids[state.root + 1:].tolist()
             kept = 0
-            while kept < min(len(new), len(self._drafted)) and new[kept] == self._drafted[kept]:
+            while kept < min(len(new), len(state.drafted)) and new[kept] == state.drafted[kept]:
                 kept += 1
-            valid = min(valid, self._root + 1 + kept)
-        self.cache.rollback(min(self.cache.length, valid))
-        self._root, self._drafted = None, []
+            valid = min(valid, state.root + 1 + kept)
+        state.cache.rollback(min(state.cache.length, valid))
+        state.root, state.drafted = None, []
+
+
+@dataclass
+class DraftModelState:
+    """One generation's draft-model state: its KV cache, and the step's root index (``None``: not
+    asked this step) and draft tokens."""
+
+    cache: KVCache
+    root: int | None = None
+    drafted: list[int] = field(default_factory=list)
+
+
+def _load_draft_model(path, target):
+    """The draft model at ``path`` for ``target``: a specwise draft LM, or an HF directory / GGUF /
+    alias with the target's vocabulary.
+
+    Raises:
+        DrafterError: a checkpoint for another target, or another vocabulary.
+    """
+    if is_checkpoint(path):
+        return load_draft_lm(path, target)
+    # a GGUF-born draft model takes the target's weight form (native next to native)
+    weights = target.weights if gguf_born(str(path)) else None
+    draft_model, draft_tokenizer, name = load_model_and_tokenizer(
+        str(path), dtype=target.dtype, device=target.device, role="draft model", weights=weights
+    )
+    check_same_vocabulary(target, draft_model, draft_tokenizer, f"draft model {name}")
+    return draft_model

@@ -34,7 +34,7 @@ relative), so a prompt or generation of any length keeps working.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -57,6 +57,7 @@ from specwise.drafters.trained import (
     DrafterModule,
     TrainedDrafter,
     TrainedDrafterConfig,
+    TrainedState,
     check_placement,
     load_or_shipped,
 )
@@ -124,6 +125,15 @@ def load_eagle_head(path, target) -> EagleHead:
     return head
 
 
+@dataclass
+class EagleState:
+    """One generation's EAGLE head state: its KV cache, and the committed positions not yet in it."""
+
+    cache: HeadCache
+    pending_features: list[torch.Tensor] = field(default_factory=list)  # [n, F*H] fused target features
+    pending_tokens: list[torch.Tensor] = field(default_factory=list)  # [n] the token after each position
+
+
 @register_drafter("eagle", EagleDrafterConfig,
                   "EAGLE-3 head on the target's features, EAGLE-2 dynamic draft tree", order=40)
 class EagleDrafter(TrainedDrafter):
@@ -153,67 +163,64 @@ class EagleDrafter(TrainedDrafter):
         self.target_hidden_layers = tuple(head.config.feature_layers)
         self.setup_lookup(target, head.origin)
 
-    def reset_model(self) -> None:
+    def start_model(self, ctx: DraftContext) -> EagleState:
         cfg = self.head.config
-        self.cache = HeadCache(cfg.kv_heads, cfg.head_dim, self.head.fc.weight.dtype, self.head.fc.weight.device)
-        self._pending_features: list[torch.Tensor] = []  # [n, F*H] fused target features not yet cached
-        self._pending_tokens: list[torch.Tensor] = []  # [n] the token after each of those positions
+        state = EagleState(HeadCache(cfg.kv_heads, cfg.head_dim, self.head.fc.weight.dtype, self.head.fc.weight.device))
+        self._queue(state, ctx.hidden_states, ctx.token_ids[1:])
+        return state
 
-    def _queue(self, hidden_states: dict[int, torch.Tensor], next_tokens: torch.Tensor) -> None:
+    def _queue(self, state: EagleState, hidden_states: dict[int, torch.Tensor], next_tokens: torch.Tensor) -> None:
         features = torch.cat([hidden_states[i] for i in self.target_hidden_layers], dim=-1)  # shape: [n, F*H]
-        self._pending_features.append(features)
-        self._pending_tokens.append(next_tokens)
+        state.pending_features.append(features)
+        state.pending_tokens.append(next_tokens)
 
-    def prefill(self, ctx: DraftContext) -> None:
-        self._queue(ctx.hidden_states, ctx.token_ids[1:])
-
-    def observe_model(self, feedback: StepFeedback) -> None:
+    def observe_model(self, model_state: EagleState, feedback: StepFeedback) -> None:
         kept = feedback.num_accepted + 1  # the old root and the accepted drafts
-        self._queue(feedback.hidden_states, feedback.token_ids[-kept:])
+        self._queue(model_state, feedback.hidden_states, feedback.token_ids[-kept:])
 
     @torch.inference_mode()
-    def _catch_up(self) -> torch.Tensor:
+    def _catch_up(self, state: EagleState) -> torch.Tensor:
         """Cache the pending committed entries; return the last one's output ``[H]`` (the root's)."""
         head = self.head
-        features = torch.cat(self._pending_features)
-        tokens = torch.cat(self._pending_tokens)
-        self._pending_features, self._pending_tokens = [], []
-        start = self.cache.length
+        features = torch.cat(state.pending_features)
+        tokens = torch.cat(state.pending_tokens)
+        state.pending_features, state.pending_tokens = [], []
+        start = state.cache.length
         feature = head.fuse(features)  # shape: [n, H]
         positions = torch.arange(start, start + tokens.numel(), device=tokens.device)
         q, k, v = head.project(feature, head.embed(tokens), positions)
-        self.cache.append(k, v)
+        state.cache.append(k, v)
         # only the last entry's output is needed: the other entries are keys and values for later
-        begin = max(0, self.cache.length - head.config.attention_window)
-        keys, values = self.cache.keys[begin: self.cache.length], self.cache.values[begin: self.cache.length]
+        begin = max(0, state.cache.length - head.config.attention_window)
+        keys, values = state.cache.keys[begin: state.cache.length], state.cache.values[begin: state.cache.length]
         allowed = torch.ones(1, keys.shape[0], dtype=torch.bool, device=keys.device)
         attended = head.attend(q[-1:], keys, values, allowed)
         return head.finish(feature[-1:], attended)[0]
 
-    def draft(self, ctx: DraftContext, lookup: torch.Tensor | None) -> Proposal:
+    def draft(self, state: TrainedState, ctx: DraftContext, lookup: torch.Tensor | None) -> Proposal:
         # a trusted lookup leaves the head one level: its depth-1 alternatives, for when the copy breaks
         trust = self.config.lookup_trust
-        trusted = lookup is not None and trust is not None and self.lookup.acceptance >= trust
+        trusted = lookup is not None and trust is not None and state.lookup.acceptance >= trust
         depth = 1 if trusted else self.config.depth
         if self.config.draft_sampling == "sampled" and not ctx.sampling.is_greedy:
-            return self._sampled_tree(ctx, depth)
-        return self._draft_tree(ctx, depth)
+            return self._sampled_tree(state.model, ctx, depth)
+        return self._draft_tree(state.model, ctx, depth)
 
     @torch.inference_mode()
-    def _sampled_tree(self, ctx: DraftContext, depth: int) -> Proposal:
+    def _sampled_tree(self, state: EagleState, ctx: DraftContext, depth: int) -> Proposal:
         """A tree of sampled siblings (:mod:`specwise.drafters.sampled_tree`): each level draws
         ``total_tokens // depth`` children (at most ``tree_top_k``) of one node without replacement
         from the head's tempered q, and the child with the best cumulative score (log-probability at
         temperature 1, as the dynamic tree scores) is expanded next. Expansion stops before a level
         whose parent scores below ``min_path_prob``; every drawn node is verified."""
         head, cfg = self.head, self.config
-        h = self._catch_up()  # shape: [H], the root's output
+        h = self._catch_up(state)  # shape: [H], the root's output
         depth = min(depth, ctx.max_draft_tokens)
         device = ctx.token_ids.device
         if depth <= 0:
             return Proposal.empty(device)
         width = max(1, min(cfg.tree_top_k, cfg.total_tokens // depth))
-        cache = self.cache
+        cache = state.cache
         base = cache.length
         begin = max(0, base - head.config.attention_window)
         cache.reserve(depth - 1)  # one scratch row per expanded node
@@ -248,16 +255,16 @@ class EagleDrafter(TrainedDrafter):
                         parents=torch.tensor(parents, dtype=torch.long, device=device))
 
     @torch.inference_mode()
-    def _draft_tree(self, ctx: DraftContext, depth: int) -> Proposal:
+    def _draft_tree(self, state: EagleState, ctx: DraftContext, depth: int) -> Proposal:
         """The head's dynamic tree of at most ``depth`` levels (steps 1-3 of the module docstring)."""
         head, cfg = self.head, self.config
-        root_h = self._catch_up()
+        root_h = self._catch_up(state)
         depth = min(depth, ctx.max_draft_tokens)
         device = ctx.token_ids.device
         if depth <= 0:
             return Proposal.empty(device)
         k = cfg.tree_top_k
-        cache = self.cache
+        cache = state.cache
         base = cache.length  # rotary position of a depth-1 node's entry; its scratch row
         begin = max(0, base - head.config.attention_window)
         m = base - begin  # committed entries every tree node sees

@@ -90,6 +90,15 @@ def window_layout(levels: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     return positions, sees_level0 | same_column
 
 
+@dataclass
+class LookaheadState:
+    """One generation's Lookahead state: its n-gram pool and Jacobi window."""
+
+    pool: NgramPool
+    window: torch.Tensor  # shape: [N-1, W], the guesses of each level
+    pooled_upto: int = 0  # committed tokens whose n-grams are in the pool
+
+
 @register_drafter("lookahead", LookaheadConfig,
                   "Lookahead decoding: Jacobi window + n-gram pool, verified as a tree", order=20)
 class LookaheadDrafter(Drafter):
@@ -108,28 +117,24 @@ class LookaheadDrafter(Drafter):
         # the window runs only while its farthest position (root + this offset) is inside the context
         self._max_offset = int(positions.max())
         self.max_context = target.max_context
-        self.reset()
+        self.target = target
 
-    def reset(self) -> None:
-        self.pool = NgramPool(self.config.max_candidates)
-        self.window: torch.Tensor | None = None  # shape: [N-1, W]
-        self._pooled_upto = 0
-
-    def prefill(self, ctx: DraftContext) -> None:
+    def start(self, ctx: DraftContext) -> LookaheadState:
         ids = ctx.token_ids
         generator = torch.Generator(device="cpu").manual_seed(0)  # guesses only: any choice is exact
         picks = torch.randint(0, ids.numel(), (self.levels_count, self.config.window_size), generator=generator)
-        self.window = ids[picks.to(ids.device)]
+        state = LookaheadState(NgramPool(self.config.max_candidates), ids[picks.to(ids.device)])
         tokens = ids.tolist()
         if self.config.pool_from_prompt:
-            self.pool.add_sequence(tokens, self.config.ngram_size)
-        self._pooled_upto = len(tokens)
+            state.pool.add_sequence(tokens, self.config.ngram_size)
+        state.pooled_upto = len(tokens)
+        return state
 
-    def propose(self, ctx: DraftContext) -> Proposal:
+    def propose(self, state: LookaheadState, ctx: DraftContext) -> Proposal:
         ids = ctx.token_ids
         budget = ctx.max_draft_tokens
         root = int(ids[-1])
-        candidates = self.pool.lookup(root)[: self.config.max_candidates]
+        candidates = state.pool.lookup(root)[: self.config.max_candidates]
         if self.config.context_match_tokens:
             match = find_continuation(ids, self.config.context_match_tokens, 3, 1, True, self.eos_token_ids)
             if match is not None:
@@ -137,7 +142,7 @@ class LookaheadDrafter(Drafter):
         tokens, parents = merge_paths([], [], [c[:budget] for c in candidates if c] if budget > 0 else [])
         auxiliary = None
         if ids.numel() - 1 + self._max_offset < self.max_context:  # the root sits at position len(ids) - 1
-            auxiliary = AuxiliaryTokens(self.window.flatten(), self._positions, self._visible, self._logit_rows)
+            auxiliary = AuxiliaryTokens(state.window.flatten(), self._positions, self._visible, self._logit_rows)
         elif not tokens:
             return Proposal.empty(ids.device)
         return Proposal(
@@ -146,15 +151,15 @@ class LookaheadDrafter(Drafter):
             auxiliary=auxiliary,
         )
 
-    def observe(self, feedback: StepFeedback) -> None:
+    def observe(self, state: LookaheadState, feedback: StepFeedback) -> None:
         n = self.config.ngram_size
         if feedback.aux_logits is not None:  # None in the last steps, where the window would not fit
             newest = feedback.aux_logits.argmax(dim=-1)  # shape: [W]
-            grams = torch.cat([self.window, newest[None]]).T.tolist()  # W n-grams of length N
+            grams = torch.cat([state.window, newest[None]]).T.tolist()  # W n-grams of length N
             for gram in grams:
-                self.pool.add(gram[0], tuple(gram[1:]))
-            self.window = torch.cat([self.window[1:], newest[None]])
+                state.pool.add(gram[0], tuple(gram[1:]))
+            state.window = torch.cat([state.window[1:], newest[None]])
         if self.config.pool_from_output:  # the n-grams that end in this step's new tokens
-            start = max(self._pooled_upto - n + 1, 0)
-            self.pool.add_sequence(feedback.token_ids[start:].tolist(), n)
-            self._pooled_upto = feedback.token_ids.numel()
+            start = max(state.pooled_upto - n + 1, 0)
+            state.pool.add_sequence(feedback.token_ids[start:].tolist(), n)
+            state.pooled_upto = feedback.token_ids.numel()

@@ -42,6 +42,7 @@ from specwise.drafters.trained import (
     DrafterModule,
     TrainedDrafter,
     TrainedDrafterConfig,
+    TrainedState,
     check_placement,
     load_or_shipped,
 )
@@ -129,6 +130,13 @@ def load_medusa_heads(path, target) -> tuple[MedusaHeads, MedusaTree]:
     return heads, tree
 
 
+@dataclass
+class MedusaState:
+    """One generation's Medusa state: the target's final hidden state at the root's parent (``[H]``)."""
+
+    hidden: torch.Tensor
+
+
 @register_drafter("medusa", MedusaDrafterConfig,
                   "Medusa heads on the target's last hidden state, static draft tree", order=50)
 class MedusaDrafter(TrainedDrafter):
@@ -178,22 +186,19 @@ class MedusaDrafter(TrainedDrafter):
         self.target_hidden_layers = (heads.config.hidden_layer,)
         self.setup_lookup(target, heads.origin)
 
-    def reset_model(self) -> None:
-        self._hidden: torch.Tensor | None = None  # [H] the target's final hidden state at the root's parent
+    def start_model(self, ctx: DraftContext) -> MedusaState:
+        return MedusaState(ctx.hidden_states[self.heads.config.hidden_layer][-1])
 
-    def prefill(self, ctx: DraftContext) -> None:
-        self._hidden = ctx.hidden_states[self.heads.config.hidden_layer][-1]
-
-    def observe_model(self, feedback: StepFeedback) -> None:
-        self._hidden = feedback.hidden_states[self.heads.config.hidden_layer][-1]
+    def observe_model(self, model_state: MedusaState, feedback: StepFeedback) -> None:
+        model_state.hidden = feedback.hidden_states[self.heads.config.hidden_layer][-1]
 
     @torch.inference_mode()
-    def draft(self, ctx: DraftContext, lookup: torch.Tensor | None) -> Proposal:
+    def draft(self, state: TrainedState, ctx: DraftContext, lookup: torch.Tensor | None) -> Proposal:
         """The heads' static tree, pruned by ``min_path_prob`` (``lookup`` is not used)."""
         depth = min(self._used_heads, ctx.max_draft_tokens)
-        if depth <= 0 or self._hidden is None:
+        if depth <= 0:
             return Proposal.empty(ctx.token_ids.device)
-        logits = self.heads(self._hidden, heads=self._used_heads)  # shape: [K', Vd]
+        logits = self.heads(state.model.hidden, heads=self._used_heads)  # shape: [K', Vd]
         top_logits, top = logits.topk(self._top, dim=-1)  # shape: [K', R]
         tokens = self.heads.vocab[top[self._depths - 1, self._ranks]]  # shape: [N]
         # the typical rule ignores how drafts were drawn: it keeps the top ranks

@@ -18,6 +18,9 @@ after the drawn ones, so the output stays exactly the target's, greedy or sample
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from specwise.drafters.base import Drafter, check_int
@@ -104,8 +107,19 @@ class PredictionLookup(LookupGraft):
         super().observe(feedback)
 
 
+@dataclass
+class PredictionState:
+    """One generation's state: the prediction's copy (its cursor and counts) and the inner drafter's state."""
+
+    copy: PredictionLookup
+    inner: Any
+
+
 class PredictionDrafter(Drafter):
     """A drafter with a Predicted Output merged into its proposals (see the module docstring).
+
+    One request's: it holds that request's prediction around the shared ``inner`` drafter, and
+    after the generation the prediction's counts (:attr:`accepted_tokens`, :attr:`rejected_tokens`).
 
     Args:
         inner: the request's drafter (``ar`` for the prediction alone).
@@ -125,44 +139,37 @@ class PredictionDrafter(Drafter):
         self.inner = inner
         self.method = inner.method
         self.target_hidden_layers = inner.target_hidden_layers
-        self.built_for = inner.built_for
-        config = LookupGraftConfig(lookup_tokens=max_tokens, lookup_max_ngram=PREDICTION_MAX_NGRAM, lookup_min_ngram=1)
-        self.copy = PredictionLookup(prediction.to(torch.long), config, eos_token_ids)
+        self.target = inner.target
+        self.prediction = prediction.to(torch.long)
+        self.eos_token_ids = eos_token_ids
+        self.config = LookupGraftConfig(lookup_tokens=max_tokens, lookup_max_ngram=PREDICTION_MAX_NGRAM,
+                                        lookup_min_ngram=1)
+        self.accepted_tokens = 0  # prediction tokens the target accepted in the finished generation
+        self.rejected_tokens = 0  # ... verified and rejected
 
-    @property
-    def accepted_tokens(self) -> int:
-        """Prediction tokens the target accepted in this generation."""
-        return self.copy.accepted_tokens
+    def active_method(self, state: PredictionState) -> str:
+        return self.inner.active_method(state.inner)
 
-    @property
-    def rejected_tokens(self) -> int:
-        """Prediction tokens verified and rejected in this generation."""
-        return self.copy.rejected_tokens
+    def start(self, ctx: DraftContext) -> PredictionState:
+        copy = PredictionLookup(self.prediction.to(ctx.token_ids.device), self.config, self.eos_token_ids)
+        return PredictionState(copy, self.inner.start(ctx))
 
-    @property
-    def active_method(self) -> str:
-        return self.inner.active_method
-
-    def reset(self) -> None:
-        self.copy.reset()
-        self.inner.reset()
-
-    def prefill(self, ctx: DraftContext) -> None:
-        self.copy.prediction = self.copy.prediction.to(ctx.token_ids.device)
-        self.inner.prefill(ctx)
-
-    def propose(self, ctx: DraftContext) -> Proposal:
-        chain = self.copy.lookup(ctx)
-        proposal = self.inner.propose(ctx)
+    def propose(self, state: PredictionState, ctx: DraftContext) -> Proposal:
+        chain = state.copy.lookup(ctx)
+        proposal = self.inner.propose(state.inner, ctx)
         if chain is None:
             return proposal
         if proposal.auxiliary is not None:
             return Proposal(chain)  # not mergeable: this step verifies the copy alone
-        return self.copy.graft(proposal, chain)
+        return state.copy.graft(proposal, chain)
 
-    def observe(self, feedback: StepFeedback) -> None:
-        self.copy.observe(feedback)
-        self.inner.observe(feedback)
+    def observe(self, state: PredictionState, feedback: StepFeedback) -> None:
+        state.copy.observe(feedback)
+        self.inner.observe(state.inner, feedback)
+
+    def finish(self, state: PredictionState) -> None:
+        self.accepted_tokens, self.rejected_tokens = state.copy.accepted_tokens, state.copy.rejected_tokens
+        self.inner.finish(state.inner)
 
 
 def prediction_ids(target, prediction) -> torch.Tensor:

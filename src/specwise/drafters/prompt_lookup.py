@@ -69,9 +69,10 @@ class PromptLookupDrafter(Drafter):
 
     def __init__(self, target, config: PromptLookupConfig) -> None:
         self.config = config
+        self.target = target
         self.eos_token_ids = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long)
 
-    def propose(self, ctx: DraftContext) -> Proposal:
+    def propose(self, state, ctx: DraftContext) -> Proposal:
         budget = min(self.config.num_draft_tokens, ctx.max_draft_tokens)
         ids = ctx.token_ids
         if budget <= 0:

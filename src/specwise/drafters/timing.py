@@ -52,19 +52,19 @@ def measure_draft_cost(target, spec: str, context_ids: torch.Tensor, repeats: in
     clock = DeviceClock(target.device)
     sampling = SamplingConfig()
     cache_length = context_ids.numel() - 1  # the last token is the root, not yet in the target's cache
-    drafter.reset()
-    drafter.prefill(DraftContext(context_ids, 0, sampling, None, cache_length))
+    state = drafter.start(DraftContext(context_ids, 0, sampling, None, cache_length))
     counts: list[int] = []
     times: list[float] = []
     for index in range(repeats + 1):
         start = clock.now()
-        proposal = drafter.propose(DraftContext(context_ids, k, sampling, None, cache_length))
+        proposal = drafter.propose(state, DraftContext(context_ids, k, sampling, None, cache_length))
         elapsed = clock.now() - start
         drafted = min(int(proposal.tokens.numel()), k)
-        drafter.observe(StepFeedback(context_ids, drafted, 0, cache_length))
+        drafter.observe(state, StepFeedback(context_ids, drafted, 0, cache_length))
         if index > 0:
             counts.append(drafted)
             times.append(elapsed)
+    drafter.finish(state)
     if not any(counts):
         raise ConfigError(f"{spec} proposed no draft tokens on the calibration context; cannot time it per token.")
     return k, float(statistics.median(counts)), float(statistics.median(times))

@@ -2,10 +2,11 @@
 path or the one shipped for the target, the dtype/device check, and the context lookup grafted onto
 their proposals (:mod:`specwise.drafters.lookup_graft`).
 
-A subclass supplies its own drafting: :meth:`TrainedDrafter.draft` (the model's chain or tree) and,
-when it keeps per-generation state, :meth:`TrainedDrafter.reset_model` and
+A subclass supplies its own drafting: :meth:`TrainedDrafter.draft` (the model's chain or tree),
+:meth:`TrainedDrafter.start_model` (the module's per-generation state) and
 :meth:`TrainedDrafter.observe_model`. :meth:`TrainedDrafter.propose` is always "lookup, then the
-model's draft, then the lookup grafted on".
+model's draft, then the lookup grafted on". The module's weights are loaded once per target and
+shared by every drafter and generation that uses them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from specwise.drafters.base import Drafter
+from specwise.drafters.base import Drafter, loaded_once, on_disk
 from specwise.drafters.checkpoint import shipped_drafter
 from specwise.drafters.lookup_graft import LookupGraft, LookupGraftConfig
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
@@ -62,7 +63,8 @@ class DrafterModule:
 
 def load_or_shipped(target, method: str, path: str | Path | None, what: DrafterModule,
                     load: Callable[[Any, Any], Any]):
-    """``load(path, target)``, or ``load`` of the drafter of ``method`` shipped for ``target``.
+    """``load(path, target)``, or ``load`` of the drafter of ``method`` shipped for ``target``; loaded
+    once per target and path, then shared (:func:`specwise.drafters.base.loaded_once`).
 
     Raises:
         DrafterError: no ``path`` and none ships for the target (the message says how to train one).
@@ -72,7 +74,7 @@ def load_or_shipped(target, method: str, path: str | Path | None, what: DrafterM
         pronoun = "them" if what.plural else "one"
         raise DrafterError(f"method {method!r} needs {what.needs()} for target {target.name}: pass "
                            f"--drafter PATH (train {pronoun} with `specwise train {method}`).")
-    return load(path, target)
+    return loaded_once(target, (method, *on_disk(path)), lambda: load(path, target))
 
 
 def check_placement(target, what: DrafterModule, weight: torch.Tensor) -> None:
@@ -90,58 +92,69 @@ def check_placement(target, what: DrafterModule, weight: torch.Tensor) -> None:
                            f"is {target.dtype} on {target.device}; move {pronoun} with .to(dtype=..., device=...).")
 
 
+@dataclass
+class TrainedState:
+    """One generation's state of a trained drafter: the lookup graft's counts, the module's own state
+    (:meth:`TrainedDrafter.start_model`), the import canary, and whether this step is greedy."""
+
+    lookup: LookupGraft
+    model: Any
+    canary: "ImportCanary | None" = None
+    greedy: bool = False
+
+
 class TrainedDrafter(Drafter):
     """Base of the drafters whose proposals come from a trained module, with the context lookup grafted on.
 
-    A subclass calls :meth:`setup_lookup` in its ``__init__`` (after its own state is built) and
-    implements :meth:`draft`.
+    A subclass calls :meth:`setup_lookup` in its ``__init__`` (after its shared parts are built) and
+    implements :meth:`start_model`, :meth:`draft` and :meth:`observe_model`.
     """
 
     config: TrainedDrafterConfig
-    lookup: LookupGraft
 
     def setup_lookup(self, target, origin: str | None = None) -> None:
-        """Build the lookup graft from ``self.config`` and reset the drafter.
+        """Record what the lookup graft and the import canary of each generation need.
 
         Args:
-            origin: the public format the module was imported from (a canary then watches its
-                first greedy steps), ``None`` for specwise's own.
+            origin: the public format the module was imported from (a canary then watches each
+                generation's first greedy steps), ``None`` for specwise's own.
         """
-        self.lookup = LookupGraft(self.config, torch.tensor(sorted(target.eos_token_ids), dtype=torch.long))
-        self.canary = ImportCanary(origin) if origin is not None else None
-        self._greedy = False
-        self.reset()
+        self.target = target
+        self.origin = origin
+        self.eos_token_ids = torch.tensor(sorted(target.eos_token_ids), dtype=torch.long)
+
+    def start(self, ctx: DraftContext) -> TrainedState:
+        canary = ImportCanary(self.origin) if self.origin is not None else None
+        return TrainedState(LookupGraft(self.config, self.eos_token_ids), self.start_model(ctx), canary)
 
     @abstractmethod
-    def draft(self, ctx: DraftContext, lookup: torch.Tensor | None) -> Proposal:
+    def start_model(self, ctx: DraftContext) -> Any:
+        """The module's per-generation state (caches, pending features), having taken in the prompt."""
+
+    @abstractmethod
+    def draft(self, state: TrainedState, ctx: DraftContext, lookup: torch.Tensor | None) -> Proposal:
         """The module's own proposal (delta proposals only, no auxiliary tokens).
 
         Args:
+            state: the generation's state (``state.model`` the module's).
             ctx: the step's context.
             lookup: ``[L]`` long, this step's lookup continuation, or ``None`` (some drafters draft
                 less when it is trusted).
         """
 
-    def reset_model(self) -> None:
-        """Forget the module's per-generation state (caches, pending features)."""
-
-    def observe_model(self, feedback: StepFeedback) -> None:
+    def observe_model(self, model_state: Any, feedback: StepFeedback) -> None:
         """Take in the step's committed tokens and target outputs."""
 
-    def reset(self) -> None:
-        self.lookup.reset()
-        self.reset_model()
+    def propose(self, state: TrainedState, ctx: DraftContext) -> Proposal:
+        state.greedy = ctx.sampling.is_greedy
+        chain = state.lookup.lookup(ctx)
+        return state.lookup.graft(self.draft(state, ctx, chain), chain)
 
-    def propose(self, ctx: DraftContext) -> Proposal:
-        self._greedy = ctx.sampling.is_greedy
-        chain = self.lookup.lookup(ctx)
-        return self.lookup.graft(self.draft(ctx, chain), chain)
-
-    def observe(self, feedback: StepFeedback) -> None:
-        if self.canary is not None and self._greedy:
-            self.canary.observe(feedback)
-        self.lookup.observe(feedback)
-        self.observe_model(feedback)
+    def observe(self, state: TrainedState, feedback: StepFeedback) -> None:
+        if state.canary is not None and state.greedy:
+            state.canary.observe(feedback)
+        state.lookup.observe(feedback)
+        self.observe_model(state.model, feedback)
 
 
 class ImportCanary:

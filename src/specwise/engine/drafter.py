@@ -1,50 +1,62 @@
-"""The one interface every drafting method implements (ARCHITECTURE.md §2).
+"""The one interface every drafting method implements (ARCHITECTURE.md §2, §9).
 
 A drafter proposes draft tokens from the committed context (:meth:`Drafter.propose`); the loop
 verifies them in one target forward and tells the drafter what was accepted
 (:meth:`Drafter.observe`). Drafters that condition on the target's hidden states declare the layers
 they need in ``target_hidden_layers``; the loop asks the target for exactly those. The
 implementations and their registry live in :mod:`specwise.drafters`.
+
+A drafter holds only what every generation shares (its config, its weights, the target it was
+built for); what one generation needs (a drafter's KV cache, counts, a pool) is the *state* that
+:meth:`Drafter.start` returns. The loop owns that state and hands it back to every call, so one
+drafter serves any number of generations at once, threads included.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 
 
 class Drafter(ABC):
-    """Base class of every drafting method (ARCHITECTURE.md §2).
+    """Base class of every drafting method.
 
-    Lifecycle per generation: ``reset()``, ``prefill(ctx)`` once after the target's prefill, then
-    ``propose(ctx)`` / ``observe(feedback)`` once per verification step.
+    Lifecycle per generation: ``state = start(ctx)`` once after the target's prefill, then
+    ``propose(state, ctx)`` / ``observe(state, feedback)`` once per verification step, then
+    ``finish(state)`` (also when the generation ends early, by a stop or an error). A drafter
+    without per-generation state returns ``None`` from :meth:`start` and ignores ``state``.
     """
 
     #: the registry name, e.g. ``"pld"``
     method: ClassVar[str] = ""
     #: hidden-state indices (HF ``hidden_states`` indexing) the drafter needs from the target
     target_hidden_layers: tuple[int, ...] = ()
-    #: the Target it was built for (set by ``specwise.build_drafter``); ``generate`` refuses another
-    #: one. None = not recorded (a drafter constructed directly)
-    built_for: object | None = None
+    #: the target the drafter was built for (set by its constructor when it has one);
+    #: ``specwise.generate`` refuses the drafter with another target. None = any target.
+    target: Any = None
 
-    @property
-    def active_method(self) -> str:
+    def active_method(self, state: Any) -> str:
         """The method proposing this step (a composite drafter such as ``auto`` names the candidate
         it runs); recorded per step in ``SpecStats.method_steps``."""
         return self.method or type(self).__name__
 
-    def reset(self) -> None:
-        """Forget all per-generation state."""
+    def start(self, ctx: DraftContext) -> Any:
+        """A new generation, called once with the prompt and the first target token (the first
+        root, ``ctx.max_draft_tokens == 0``; ``ctx.hidden_states`` at every prompt position).
 
-    def prefill(self, ctx: DraftContext) -> None:
-        """Called once with the prompt and the first target token (the first root)."""
+        Returns:
+            the generation's state (any object; ``None`` for a drafter that keeps none).
+        """
+        return None
 
     @abstractmethod
-    def propose(self, ctx: DraftContext) -> Proposal:
+    def propose(self, state: Any, ctx: DraftContext) -> Proposal:
         """Return at most ``ctx.max_draft_tokens`` draft tokens following ``ctx.token_ids``."""
 
-    def observe(self, feedback: StepFeedback) -> None:
+    def observe(self, state: Any, feedback: StepFeedback) -> None:
         """Called after each verification step with the committed tokens."""
+
+    def finish(self, state: Any) -> None:
+        """The generation ended (its last step, a stop, or an error); ``state`` is used no more."""

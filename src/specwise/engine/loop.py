@@ -43,7 +43,7 @@ def speculative_generate(
 
     Args:
         target: the :class:`specwise.engine.target.Target` (batch size 1).
-        drafter: a reset-able :class:`Drafter`.
+        drafter: a :class:`Drafter`; this generation's drafting state is what its ``start`` returns.
         prompt_ids: ``[P]`` long, P >= 1, on the target's device.
         max_new_tokens: >= 1.
         sampling: greedy or sampling options; the output is distributed exactly as decoding the
@@ -74,51 +74,58 @@ def speculative_generate(
     committed = torch.empty(prompt_ids.numel() + max_new_tokens, dtype=torch.long, device=prompt_ids.device)
     committed[: prompt_ids.numel()] = prompt_ids
     length = prompt_ids.numel()
-    cache = target.new_cache()
-    drafter.reset()
-
-    # 0. prefill: the target's first token becomes the first root
+    # 0. prefill: the target's first token becomes the first root, and the drafter starts
     start = clock.now()
-    result = target.forward(prompt_ids, cache, num_logits=1, hidden_layers=layers)
-    _, first = verify_chain(result.logits, prompt_ids[:0], None, prompt_ids, sampling, generator)
+    cache, first, hidden_states = _prefill(target, prompt_ids, sampling, generator, layers)
     stats.target_forwards += 1
     stats.prefill_time_s = clock.now() - start
     committed[length] = first
     length += 1
     _stream(output.commit([first]), streamer)
-    drafter.prefill(DraftContext(token_ids=committed[:length], max_draft_tokens=0, sampling=sampling,
-                                 generator=generator, cache_length=cache.length, hidden_states=result.hidden_states))
-
-    while output.stop_reason is None:
-        # 1. propose, leaving room for the bonus token
-        budget = max_new_tokens - len(output.tokens) - 1
-        t0 = clock.now()
-        proposal = drafter.propose(DraftContext(token_ids=committed[:length], max_draft_tokens=budget,
-                                                sampling=sampling, generator=generator, cache_length=cache.length))
-        # 2.-4. verify in one target forward, accept, keep the accepted path in the cache
-        t1 = clock.now()
-        step = verify_proposal(target, cache, committed[:length], proposal, budget=budget, sampling=sampling,
-                               generator=generator, hidden_layers=layers)
-        t2 = clock.now()
-        new = step.accepted + [step.next_token]
-        committed[length: length + len(new)] = torch.tensor(new, dtype=torch.long)
-        length += len(new)
-        emitted = output.commit(new)
-        stats.record_step(step.num_drafted, len(step.accepted), depth=step.depth, method=drafter.active_method)
-        stats.draft_time_s += t1 - t0
-        stats.verify_time_s += t2 - t1
-        _stream(emitted, streamer)
-        # 5. tell the drafter what was accepted
-        drafter.observe(StepFeedback(token_ids=committed[:length], num_drafted=step.num_drafted,
-                                     num_accepted=len(step.accepted), cache_length=cache.length,
-                                     hidden_states=step.hidden_states, accepted_nodes=step.accepted_nodes,
-                                     aux_logits=step.aux_logits))
+    state = drafter.start(DraftContext(token_ids=committed[:length], max_draft_tokens=0, sampling=sampling,
+                                       generator=generator, cache_length=cache.length, hidden_states=hidden_states))
+    try:
+        while output.stop_reason is None:
+            # 1. propose, leaving room for the bonus token
+            budget = max_new_tokens - len(output.tokens) - 1
+            t0 = clock.now()
+            ctx = DraftContext(committed[:length], budget, sampling, generator, cache.length)
+            proposal = drafter.propose(state, ctx)
+            # 2.-4. verify in one target forward, accept, keep the accepted path in the cache
+            t1 = clock.now()
+            step = verify_proposal(target, cache, committed[:length], proposal, budget=budget, sampling=sampling,
+                                   generator=generator, hidden_layers=layers)
+            t2 = clock.now()
+            new = step.accepted + [step.next_token]
+            committed[length: length + len(new)] = torch.tensor(new, dtype=torch.long)
+            length += len(new)
+            emitted = output.commit(new)
+            stats.record_step(step.num_drafted, len(step.accepted), depth=step.depth,
+                              method=drafter.active_method(state))
+            stats.draft_time_s += t1 - t0
+            stats.verify_time_s += t2 - t1
+            _stream(emitted, streamer)
+            # 5. tell the drafter what was accepted
+            drafter.observe(state, StepFeedback(committed[:length], step.num_drafted, len(step.accepted),
+                                                cache.length, step.hidden_states, step.accepted_nodes,
+                                                step.aux_logits))
+    finally:
+        drafter.finish(state)
 
     stats.verify_time_s += stats.prefill_time_s
     stats.new_tokens = len(output.tokens)
     stats.wall_time_s = clock.now() - start
     text = output.text if output.stop_string is not None else target.decode(output.tokens)
     return GenerationResult(text, output.tokens, stats, output.stop_reason, output.stop_string)
+
+
+def _prefill(target, prompt_ids: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
+             layers: tuple[int, ...]):
+    """The prompt through a new cache: ``(cache, first token, hidden states at the prompt's positions)``."""
+    cache = target.new_cache()
+    result = target.forward(prompt_ids, cache, num_logits=1, hidden_layers=layers)
+    _, first = verify_chain(result.logits, prompt_ids[:0], None, prompt_ids, sampling, generator)
+    return cache, first, result.hidden_states
 
 
 def _stream(emitted: list[int], streamer: Callable[[list[int]], None] | None) -> None:

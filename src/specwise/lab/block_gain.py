@@ -89,17 +89,17 @@ class _WithRule(Drafter):
         self.target_hidden_layers = inner.target_hidden_layers
         self.method = inner.method
 
-    def reset(self):
-        self.inner.reset()
+    def start(self, ctx):
+        return self.inner.start(ctx)
 
-    def prefill(self, ctx):
-        self.inner.prefill(ctx)
+    def propose(self, state, ctx):
+        return dataclasses.replace(self.inner.propose(state, ctx), acceptance=self.rule)
 
-    def propose(self, ctx):
-        return dataclasses.replace(self.inner.propose(ctx), acceptance=self.rule)
+    def observe(self, state, feedback):
+        self.inner.observe(state, feedback)
 
-    def observe(self, feedback):
-        self.inner.observe(feedback)
+    def finish(self, state):
+        self.inner.finish(state)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,10 +20,10 @@ import threading
 import time
 import types
 import typing
-from collections import OrderedDict, deque
+from collections import deque
 from typing import Any
 
-from specwise.api import build_drafter, generate
+from specwise.api import build_drafter, generate, shared_drafter
 from specwise.drafters import METHODS
 from specwise.errors import SpecwiseError
 from specwise.serve.protocol import ApiError
@@ -34,8 +34,6 @@ log = logging.getLogger("specwise.serve")
 LOSSY_OPTIONS = frozenset({"acceptance"})
 #: the largest integer option a request may set (a client must not make one step verify thousands of tokens)
 MAX_INT_OPTION = 64
-#: drafters kept for per-request option sets, besides the ones built at start
-CACHED_DRAFTERS = 4
 #: option types a request may set: numbers and flags (``None`` where the option allows it)
 _SETTABLE_TYPES = (int, float, bool)
 
@@ -193,7 +191,6 @@ class GenerationWorker:
         self._closing = False
         self._running: Job | None = None
         self._drafters: dict[str, Any] = {}
-        self._cached: OrderedDict[tuple, Any] = OrderedDict()
         self._thread = threading.Thread(target=self.run, name="specwise-worker", daemon=True)
 
     def start(self, thread: bool = True) -> None:
@@ -331,15 +328,8 @@ class GenerationWorker:
                         text_streamer=on_text, include_stop=False, **job.kwargs)
 
     def _drafter(self, method: str, options: dict[str, Any]):
-        """The drafter for ``method`` with ``options``: the one built at start, or one built for this
-        option set (a few are kept, least recently used dropped)."""
+        """The drafter for ``method`` with ``options``: the one built at start, or the target's kept
+        drafter for this option set (:func:`specwise.api.shared_drafter`)."""
         if not options:
             return self._drafters[method]
-        key = (method, tuple(sorted(options.items())))
-        drafter = self._cached.pop(key, None)
-        if drafter is None:
-            drafter = build_drafter(self.target, method, **options)
-        self._cached[key] = drafter
-        while len(self._cached) > CACHED_DRAFTERS:
-            self._cached.popitem(last=False)
-        return drafter
+        return shared_drafter(self.target, method, **options)
