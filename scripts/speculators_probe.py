@@ -1,7 +1,7 @@
 """Run an exported EAGLE-3 directory through the speculators package's own loader and forward.
 
 Runs in a separate environment that has `speculators` (it pins an older transformers than
-specwise): see `python -m specwise.lab.interop speculators-env`. Not imported by specwise.
+specwise): see `python benchmarks/interop.py speculators-env`. Not imported by specwise.
 
     python scripts/speculators_probe.py DRAFT_DIR INPUTS.pt OUTPUT.pt
 

@@ -12,7 +12,8 @@ Layers, lowest first (a module may import its own layer and the ones below it):
 - ``serve``: the OpenAI-compatible server over ``api``;
 - ``training``: corpus, features, trainer, recipes;
 - ``lab``: benchmark, analysis, demo, reports;
-- ``cli`` and the package root.
+- ``cli`` (which imports each subcommand's module only when it runs), ``commands`` (``generate``,
+  ``targets``) and the package root (its names imported on first use).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 import ast
 import io
 import re
+import subprocess
+import sys
 import tokenize
 from pathlib import Path
 
@@ -28,7 +31,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 #: each layer's top-level names under ``specwise``; "" is the package root
 LAYERS = (("errors", "prompts"), ("engine",), ("models",), ("interop",), ("drafters",), ("api",), ("serve",), ("training",), ("lab",),
-          ("cli", ""))
+          ("cli", "commands", ""))
 
 
 def _modules() -> dict[str, Path]:
@@ -134,11 +137,11 @@ def _code_lines(node: ast.AST, source_lines: list[str]) -> int:
 
 
 #: the areas whose functions must stay short enough to read top to bottom
-SHORT_FUNCTION_AREAS = ("specwise.engine", "specwise.training")
+SHORT_FUNCTION_AREAS = ("specwise.engine", "specwise.training", "specwise.serve")
 MAX_FUNCTION_LINES = 60
 
 
-def test_engine_and_training_functions_are_at_most_60_code_lines():
+def test_engine_training_and_server_functions_are_at_most_60_code_lines():
     long = []
     for name, path in MODULES.items():
         if not name.startswith(SHORT_FUNCTION_AREAS):
@@ -174,3 +177,36 @@ def test_no_code_comment_quotes_a_benchmark_figure_or_the_readme():
             if FIGURE.search(line) or "README" in line:
                 found.append(f"{path.relative_to(SRC)}:{number}: {line.strip()}")
     assert not found, "comments quoting figures or the README:\n" + "\n".join(found)
+
+
+# --------------------------------------------------------------------------------------------
+# start-up: a subcommand's module is imported only when it runs
+
+
+def _modules_after(code: str) -> set[str]:
+    """The modules loaded in a fresh interpreter after running ``code``."""
+    out = subprocess.run([sys.executable, "-c", f"import sys\n{code}\nprint('\\n'.join(sys.modules))"],
+                         capture_output=True, text=True, check=True, timeout=120)
+    return set(out.stdout.split())
+
+
+def test_help_and_the_package_import_no_model_code():
+    for code in ("import specwise.cli as c; c.build_parser('')", "import specwise"):
+        loaded = _modules_after(code)
+        assert not loaded & {"torch", "transformers", "numpy"}, code
+
+
+def test_generate_imports_neither_the_lab_tools_nor_the_server_nor_training():
+    loaded = _modules_after("import specwise.cli as c; c.build_parser('generate')")
+    assert "specwise.commands.generate" in loaded
+    heavy = {m for m in loaded if m.startswith(("specwise.lab.bench", "specwise.lab.analysis", "specwise.serve",
+                                                 "specwise.training", "matplotlib", "fastapi", "uvicorn"))}
+    assert not heavy, sorted(heavy)
+
+
+def test_every_subcommand_module_exists_and_sits_in_a_layer():
+    from specwise.cli import COMMANDS
+
+    for name, (module, *_rest) in COMMANDS.items():
+        assert module in MODULES, (name, module)
+        layer(module)

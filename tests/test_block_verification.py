@@ -5,6 +5,9 @@ exactly as much for deterministic drafts."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -148,11 +151,15 @@ def test_block_verification_fixed_outcomes():
 
 
 def test_the_expected_accepted_lengths_match_the_samplers_and_block_never_loses():
-    """The exact expectations the lab's paired measurement uses (specwise.lab.block_gain): equal to
+    """The exact expectations the lab's paired measurement uses (benchmarks/block_gain.py): equal to
     the mean of 20,000 verifications of one fixed chain under each rule; block >= token-wise in
     expectation over drafts drawn from q (Sun et al.'s optimality), equal chain by chain for
     deterministic drafts."""
-    from specwise.lab.block_gain import expected_accepted
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "block_gain.py"
+    spec = importlib.util.spec_from_file_location("block_gain", path)
+    block_gain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(block_gain)
+    expected_accepted = block_gain.expected_accepted
 
     vocab, k = 5, 3
     target, draft = _PrefixModel(6, vocab), _PrefixModel(7, vocab, sharpness=2.5)

@@ -430,3 +430,30 @@ def test_options_whose_default_is_none_are_settable():
     with pytest.raises(ApiError, match="depth must be") as info:
         check_request_options("dflash", {"depth": 0})
     assert info.value.param == "speculative.options.depth"
+
+
+# --------------------------------------------------------------------------------------------
+# the request path as plain functions, without a server
+
+
+def test_a_request_is_prepared_without_a_server(target):
+    from specwise.serve.protocol import ChatRequest, CompletionRequest
+    from specwise.serve.requests import Limits, prepare
+
+    limits = Limits("tiny", "ar", ("ar", "pld"), max_tokens_cap=64, max_prompt_tokens=None, max_messages=4)
+    body = CompletionRequest(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0.5, seed=3, stop="t9",
+                             speculative={"method": "pld", "options": {"num_draft_tokens": 4}})
+    prepared = prepare(target, body, False, limits)
+    assert prepared.method == "pld" and prepared.options == {"num_draft_tokens": 4}
+    assert prepared.kwargs["prompt"].tolist() == target.encode(PROMPT).tolist()
+    assert prepared.prompt_tokens == len(target.encode(PROMPT))
+    assert {k: prepared.kwargs[k] for k in ("temperature", "seed", "stop", "max_new_tokens")} == \
+        {"temperature": 0.5, "seed": 3, "stop": ["t9"], "max_new_tokens": 8}
+    chat = ChatRequest(model="tiny", messages=[{"role": "user", "content": "t5 t6"}])
+    assert prepare(target, chat, True, limits).kwargs["max_new_tokens"] == 64  # chat defaults to the cap
+    for bad, status, param in [(body.model_copy(update={"model": "x"}), 404, "model"),
+                               (body.model_copy(update={"max_tokens": 65}), 400, "max_tokens"),
+                               (chat.model_copy(update={"messages": chat.messages * 5}), 413, "messages")]:
+        with pytest.raises(ApiError) as info:
+            prepare(target, bad, isinstance(bad, ChatRequest), limits)
+        assert (info.value.status, info.value.param) == (status, param)

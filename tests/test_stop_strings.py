@@ -15,6 +15,7 @@ import pytest
 import specwise
 from conftest import OracleDrafter, greedy_continuation, make_target, random_prompt
 from specwise import cli
+from specwise.commands import generate as generate_command
 from specwise.engine.stopping import IncrementalText, StoppingRules
 from specwise.engine.target import Target
 
@@ -257,7 +258,7 @@ def test_the_cli_prints_a_tail_cut_mid_character(stop, monkeypatch, capsys):
     ids = specwise.generate(plain, prompt, max_new_tokens=5).token_ids
     target.lead = ids[-1]
     assert ids[-1] not in ids[:-1]
-    monkeypatch.setattr(cli, "load_target", lambda *args, **kwargs: target)
+    monkeypatch.setattr(generate_command, "load_target", lambda *args, **kwargs: target)
     argv = ["generate", prompt, "--max-new-tokens", "5", "--device", "cpu"] + [a for s in stop for a in ("--stop", s)]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out

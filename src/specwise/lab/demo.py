@@ -3,7 +3,9 @@ target, built-in prompts; a trained method takes part where its drafter ships fo
 
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
 
 from rich.console import Console
 from rich.table import Table
@@ -75,3 +77,20 @@ def _agreement(target, prompt_ids, reference: list[int], tokens: list[int]) -> s
     index, gap = divergence
     kind = "tie" if gap <= TIE_MARGIN else "DIVERGED"
     return f"{kind} @{index} (gap {gap:.2f})"
+
+
+def add_demo_args(demo: argparse.ArgumentParser, default_target: str) -> None:
+    """The flags of ``specwise demo``; sets ``func``."""
+    demo.add_argument("--target", default=default_target)
+    demo.add_argument("--max-new-tokens", type=int, default=128)
+    demo.add_argument("--device", default=None)
+    demo.set_defaults(func=cmd_demo)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    return run_demo(target_name=args.target, max_new_tokens=args.max_new_tokens, device=args.device,
+                    progress=_progress)

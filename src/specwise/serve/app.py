@@ -1,43 +1,33 @@
 """The OpenAI-compatible HTTP API over one target (ARCHITECTURE.md §8).
 
-``create_app`` returns a FastAPI app: ``GET /v1/models``, ``POST /v1/completions``, ``POST
-/v1/chat/completions``, ``GET /health``, ``GET /metrics``. A request is validated (400 with OpenAI's
-error JSON on anything unsupported), tokenized off the event loop, queued for the one
-:class:`~specwise.serve.worker.GenerationWorker`, and answered as JSON or as Server-Sent Events (one
-chunk per committed step) with ``usage`` and a ``speculative_decoding`` summary.
+``create_app`` wires the routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST
+/v1/chat/completions``, ``GET /health``, ``GET /metrics``. The API key is checked before the body
+is read (:class:`_ApiKey`), oversized bodies are refused unread (:class:`_BodyLimit`); a request
+is then checked and tokenized off the event loop (:func:`specwise.serve.requests.prepare`), queued
+for the one :class:`~specwise.serve.worker.GenerationWorker`, and answered as JSON or as
+Server-Sent Events (:mod:`specwise.serve.responses`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
-import time
-import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi.sse import EventSourceResponse, format_sse_event
+from fastapi.sse import EventSourceResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specwise.api import encode_prompt
-from specwise.errors import SpecwiseError
 from specwise.serve.metrics import ServerMetrics
-from specwise.serve.protocol import (
-    ApiError,
-    ChatRequest,
-    CompletionRequest,
-    finish_reason,
-    now,
-    speculative_decoding,
-    usage,
-)
-from specwise.serve.worker import GenerationWorker, Job, check_request_options
+from specwise.serve.protocol import ApiError, ChatRequest, CompletionRequest, now
+from specwise.serve.requests import Limits, prepare
+from specwise.serve.responses import completion_body, record_finished, stream_events
+from specwise.serve.worker import GenerationWorker, Job
 
 log = logging.getLogger("specwise.serve")
 
@@ -75,6 +65,13 @@ class ServerConfig:
     time_limit_s: float = 600.0
     default_options: dict = field(default_factory=dict)
 
+    @property
+    def limits(self) -> Limits:
+        """What each request is checked against."""
+        methods = tuple(dict.fromkeys([self.default_method, *self.methods]))
+        return Limits(self.model, self.default_method, methods, self.max_tokens_cap, self.max_prompt_tokens,
+                      self.max_messages)
+
 
 def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> FastAPI:
     """The app serving ``target``; builds the allowed methods' drafters.
@@ -87,28 +84,121 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
         SpecwiseError: a method's drafter cannot be built for the target.
     """
     metrics = ServerMetrics()
-    started = now()
-    methods = list(dict.fromkeys([config.default_method, *config.methods]))
-    worker = GenerationWorker(target, methods, config.max_queue, config.time_limit_s, metrics,
+    worker = GenerationWorker(target, list(config.limits.methods), config.max_queue, config.time_limit_s, metrics,
                               {config.default_method: dict(config.default_options)})
     worker.start(thread=worker_thread)
+    service = Service(target, config, worker, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         await asyncio.to_thread(worker.close)
 
-    app = FastAPI(title="specwise", lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="specwise", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker, app.state.metrics, app.state.config = worker, metrics, config
     # the last added runs first: the API key is checked before any of the body is read
     app.add_middleware(_BodyLimit, max_body_size=config.max_body_bytes, metrics=metrics)
     app.add_middleware(_ApiKey, api_key=config.api_key, metrics=metrics)
+    install_error_handlers(app, metrics)
+    app.get("/health")(service.health)
+    app.get("/metrics")(service.prometheus)
+    app.get("/v1/models")(service.models)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await service.serve(request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        return await service.serve(request, body, chat=True)
+
+    return app
+
+
+class Service:
+    """What the routes do, over one target, its worker and its metrics."""
+
+    def __init__(self, target, config: ServerConfig, worker: GenerationWorker, metrics: ServerMetrics) -> None:
+        self.target, self.config, self.worker, self.metrics = target, config, worker, metrics
+        self.limits = config.limits
+        self.started = now()
+
+    async def health(self):
+        self.metrics.requests.labels("/health", "200").inc()
+        return {"status": "ok", "model": self.config.model, "waiting": self.worker.waiting,
+                "running": self.worker.running}
+
+    async def prometheus(self):
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self):
+        self.metrics.requests.labels("/v1/models", "200").inc()
+        return {"object": "list", "data": [{"id": self.config.model, "object": "model", "created": self.started,
+                                            "owned_by": "specwise"}]}
+
+    async def serve(self, request: Request, body, chat: bool):
+        """Check, queue and answer one completion request (streamed or not).
+
+        Raises:
+            ApiError: the request is refused (answered by the error handlers).
+        """
+        endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+        prepared = await asyncio.to_thread(prepare, self.target, body, chat, self.limits)
+        job = Job(prepared.request_id, prepared.kwargs, prepared.method, prepared.options, deadline=float("inf"),
+                  loop=asyncio.get_running_loop(), stream=body.stream, user=body.user)
+        self.worker.submit(job)
+        if body.stream:
+            self.metrics.requests.labels(endpoint, "200").inc()
+            return EventSourceResponse(self._stream(job, body, chat, prepared.prompt_tokens))
+        try:
+            result = await self._result(request, job)
+        finally:
+            self.worker.withdraw(job)  # a no-op once finished; frees the job if this handler was cancelled
+        if result is None:
+            return Response(status_code=499)
+        record_finished(self.metrics, job, result, prepared.prompt_tokens)
+        self.metrics.requests.labels(endpoint, "200").inc()
+        return completion_body(job, result, self.config.model, chat, prepared.prompt_tokens)
+
+    async def _result(self, request: Request, job: Job):
+        """The job's result; ``None`` when its client went away first.
+
+        Raises:
+            ApiError: the generation ended with an error (time limit, shutdown, bad input).
+        """
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(job.events.get(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    waiting = self.worker.withdraw(job)
+                    log.info("%s cancelled%s: the client went away", job.id, " while waiting" if waiting else "")
+                    return None
+                continue
+            if kind == "error":
+                raise value
+            return value
+
+    async def _stream(self, job: Job, body, chat: bool, prompt_tokens: int):
+        done = False
+        try:
+            async for event in stream_events(job, body, chat, self.config.model, prompt_tokens,
+                                             lambda result: record_finished(self.metrics, job, result, prompt_tokens)):
+                yield event
+            done = True
+        finally:
+            waiting = self.worker.withdraw(job)
+            if not done:
+                log.info("%s cancelled: the client went away %s", job.id, "while waiting" if waiting else "mid-stream")
+
+
+def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Every refusal as OpenAI's error JSON, one sentence, counted by endpoint and status."""
 
     def endpoint_of(request: Request) -> str:
         return request.url.path if request.url.path in _ENDPOINTS else "other"
 
-    def answer_error(request: Request, exc: ApiError) -> JSONResponse:
+    def answer(request: Request, exc: ApiError) -> JSONResponse:
         metrics.requests.labels(endpoint_of(request), str(exc.status)).inc()
         log.info("%s %s refused: %d param=%s %s", request.method, request.url.path, exc.status, exc.param or "-",
                  exc.message)
@@ -116,199 +206,26 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return answer_error(request, exc)
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         if "json" not in request.headers.get("content-type", ""):
-            return answer_error(request, ApiError(400, "send the request body as JSON with the header "
-                                                       "'Content-Type: application/json'."))
-        return answer_error(request, validation_error(exc))
+            return answer(request, ApiError(400, "send the request body as JSON with the header "
+                                                 "'Content-Type: application/json'."))
+        return answer(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         message = {404: f"no route {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions.",
-                   405: f"{request.method} is not allowed on {request.url.path}.",
-                   }
-        return answer_error(request, ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
-                                              kind="invalid_request_error" if exc.status_code < 500 else "server_error"))
+                   405: f"{request.method} is not allowed on {request.url.path}."}
+        return answer(request, ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
+                                        kind="invalid_request_error" if exc.status_code < 500 else "server_error"))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unexpected error on %s", request.url.path)
-        return answer_error(request, ApiError(500, "the server failed on this request; see its log.",
-                                              kind="server_error"))
-
-    @app.get("/health")
-    async def health():
-        metrics.requests.labels("/health", "200").inc()
-        return {"status": "ok", "model": config.model, "waiting": worker.waiting, "running": worker.running}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models():
-        metrics.requests.labels("/v1/models", "200").inc()
-        return {"object": "list", "data": [{"id": config.model, "object": "model", "created": started,
-                                            "owned_by": "specwise"}]}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await serve(request, body, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
-        return await serve(request, body, chat=True)
-
-    async def serve(request: Request, body, chat: bool):
-        endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-        job, prompt_tokens = await prepare(body, chat)
-        worker.submit(job)
-        if body.stream:
-            metrics.requests.labels(endpoint, "200").inc()
-            return EventSourceResponse(stream(job, body, chat, prompt_tokens))
-        result = None
-        try:
-            while result is None:
-                try:
-                    kind, value = await asyncio.wait_for(job.events.get(), _DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        waiting = worker.withdraw(job)
-                        log.info("%s cancelled%s: the client went away", job.id, " while waiting" if waiting else "")
-                        return Response(status_code=499)
-                    continue
-                if kind == "error":
-                    raise value
-                result = value
-        finally:
-            worker.withdraw(job)  # a no-op once finished; frees the job if this handler was cancelled
-        finished(job, result, prompt_tokens)
-        metrics.requests.labels(endpoint, "200").inc()
-        text = "".join(job.pieces)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason(result)}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(result)}
-        return {"id": job.id, "object": "chat.completion" if chat else "text_completion", "created": now(),
-                "model": config.model, "choices": [choice], "usage": usage(prompt_tokens, result),
-                "speculative_decoding": speculative_decoding(result.stats)}
-
-    async def stream(job: Job, body, chat: bool, prompt_tokens: int):
-        created, kind_name = now(), "chat.completion.chunk" if chat else "text_completion"
-        extra = {"usage": None} if body.include_usage else {}
-
-        def chunk(choices: list) -> bytes:
-            data = {"id": job.id, "object": kind_name, "created": created, "model": config.model,
-                    "choices": choices, **extra}
-            return format_sse_event(data_str=_json(data))
-
-        def choice(text: str | None, reason: str | None, role: bool = False) -> dict:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-
-        done = False
-        try:
-            if chat:
-                yield chunk([choice(None, None, role=True)])
-            while True:
-                kind, value = await job.events.get()
-                if kind == "text":
-                    yield chunk([choice(value, None)])
-                elif kind == "error":
-                    yield format_sse_event(data_str=_json(value.body()))
-                    break
-                else:
-                    finished(job, value, prompt_tokens)
-                    yield chunk([choice(None, finish_reason(value))])
-                    if body.include_usage:
-                        data = {"id": job.id, "object": kind_name, "created": created, "model": config.model,
-                                "choices": [], "usage": usage(prompt_tokens, value),
-                                "speculative_decoding": speculative_decoding(value.stats)}
-                        yield format_sse_event(data_str=_json(data))
-                    break
-            yield format_sse_event(data_str="[DONE]")
-            done = True
-        finally:
-            waiting = worker.withdraw(job)
-            if not done:
-                log.info("%s cancelled: the client went away %s", job.id, "while waiting" if waiting else "mid-stream")
-
-    def finished(job: Job, result, prompt_tokens: int) -> None:
-        end = time.monotonic()
-        metrics.record_result(result)
-        metrics.latency.observe(end - job.submitted)
-        if job.first_token is not None:
-            metrics.time_to_first_token.observe(job.first_token - job.submitted)
-        stats = result.stats
-        log.info("%s user=%s method=%s prompt_tokens=%d completion_tokens=%d tau=%.2f accepted_prediction=%d "
-                 "latency_s=%.3f queued_s=%.3f finish=%s", job.id, job.user or "-", stats.method, prompt_tokens,
-                 len(result.token_ids), stats.mean_accepted_length, stats.prediction_accepted_tokens,
-                 end - job.submitted, (job.started or end) - job.submitted, finish_reason(result))
-
-    async def prepare(body, chat: bool) -> tuple[Job, int]:
-        """Check a request against what the server serves and its limits; tokenize it; make its job."""
-        if body.model != config.model:
-            raise ApiError(404, f"the model {body.model!r} is not served here; this server serves {config.model!r}.",
-                           "model", kind="not_found_error")
-        if body.stream_options is not None and not body.stream:
-            raise ApiError(400, "stream_options needs stream=true.", "stream_options")
-        spec = body.speculative
-        method = (spec.method if spec and spec.method else None) or config.default_method
-        if method not in methods:
-            raise ApiError(400, f"method {method!r} is not loaded on this server (loaded: {', '.join(methods)}).",
-                           "speculative.method")
-        options = dict(spec.options) if spec else {}
-        check_request_options(method, options)
-        prediction = body.prediction.text if body.prediction is not None else None
-        if prediction is not None and not prediction.strip():
-            raise ApiError(400, "the prediction is empty; leave it out or give the text the output should repeat.",
-                           "prediction")
-        kwargs = dict(temperature=float(body.temperature), top_p=float(body.top_p) or 1.0,
-                      top_k=1 if body.top_p == 0 else 0,  # top_p -> 0 keeps only the most likely token
-                      seed=body.seed, stop=body.stop_strings, prediction=prediction)
-        try:
-            if chat:
-                if len(body.messages) > config.max_messages:
-                    raise ApiError(413, f"{len(body.messages)} messages exceed this server's limit of "
-                                        f"{config.max_messages}.", "messages")
-                messages = [{"role": m.role, "content": m.text} for m in body.messages]
-                prompt_ids = await asyncio.to_thread(target.encode_chat, messages)
-                kwargs["messages"] = messages
-            else:
-                prompt_ids = await asyncio.to_thread(encode_prompt, target, body.prompt)
-                kwargs["prompt"] = prompt_ids
-        except SpecwiseError as exc:
-            hint = " Send a text prompt to /v1/completions instead." if chat and "chat template" in str(exc) else ""
-            raise ApiError(400, str(exc) + hint, "messages" if chat else "prompt") from None
-        prompt_tokens = int(prompt_ids.numel())
-        limit = config.max_prompt_tokens or target.max_context
-        if prompt_tokens > limit:
-            raise ApiError(413, f"the prompt has {prompt_tokens} tokens; this server accepts at most {limit}.",
-                           "messages" if chat else "prompt")
-        field = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
-        asked = body.token_limit if chat else body.max_tokens
-        room = target.max_context - prompt_tokens
-        if asked is not None and asked > config.max_tokens_cap:
-            raise ApiError(400, f"{field} is {asked}; this server allows at most {config.max_tokens_cap}.", field)
-        if asked is not None and asked > room:
-            raise ApiError(400, f"the prompt has {prompt_tokens} tokens and {field} is {asked}, but the target's "
-                                f"context holds {target.max_context} tokens.", field)
-        if room < 1:
-            raise ApiError(400, f"the prompt fills the target's context of {target.max_context} tokens.",
-                           "messages" if chat else "prompt")
-        kwargs["max_new_tokens"] = asked if asked is not None else min(config.max_tokens_cap, room)
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        job = Job(request_id, kwargs, method, options, deadline=float("inf"), loop=asyncio.get_running_loop(),
-                  stream=body.stream, user=body.user)
-        return job, prompt_tokens
-
-    return app
+        return answer(request, ApiError(500, "the server failed on this request; see its log.", kind="server_error"))
 
 
 _ENDPOINTS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
@@ -374,10 +291,6 @@ class _BodyLimit:
         path = scope.get("path", "")
         self.metrics.requests.labels(path if path in _ENDPOINTS else "other", "413").inc()
         await JSONResponse(error.body(), status_code=413)(scope, receive, send)
-
-
-def _json(data) -> str:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:

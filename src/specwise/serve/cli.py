@@ -78,28 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"specwise serve needs the [serve] extra ({_MISSING} is missing): "
                           "pip install 'specwise[serve]'.")
     known = KNOWN_TARGETS.get(args.target)
-    default = default_method(args.method, args.drafter, args.target)
-    METHODS.get(default)  # an unknown method: one sentence before the model load
-    methods = [default, *(_split(args.methods) if args.methods else _ALWAYS)]
-    for method in methods:
-        METHODS.get(method)
-    for name, value in (("--port", args.port), ("--max-queue", args.max_queue), ("--max-tokens-cap", args.max_tokens_cap)):
-        if value < (0 if name == "--max-queue" else 1):
-            raise ConfigError(f"{name} must be a positive integer, got {value}.")
-    for name, value in (("--time-limit", args.time_limit), ("--shutdown-grace", args.shutdown_grace)):
-        if not value > 0 or value == float("inf"):
-            raise ConfigError(f"{name} must be a positive number of seconds, got {value}.")
-    options = {}
-    for item in args.option:
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ConfigError(f"--option takes KEY=VALUE, got {item!r}.")
-        options[key.strip()] = parse_option_value(value.strip())
-    if args.drafter is not None:
-        if not Path(args.drafter).exists() and args.drafter not in KNOWN_TARGETS:
-            raise ConfigError(f"the drafter {args.drafter} does not exist.")
-        options["drafter_path"] = args.drafter
-    METHODS.get(default).make_config(**options)
+    default, methods, options = _checked_methods(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     target = load_target(args.target, dtype=args.dtype, device=args.device, weights=args.weights,
@@ -170,6 +149,37 @@ class GracefulShutdown:
         time.sleep(self.grace + 5)
         print("specwise: open responses did not end in time; exiting", file=sys.stderr, flush=True)
         os._exit(1)
+
+
+def _checked_methods(args: argparse.Namespace) -> tuple[str, list[str], dict]:
+    """The default method, the methods requests may choose and the default's options, with every
+    flag checked before the model load.
+
+    Raises:
+        ConfigError, DrafterError: an unknown method, a bad option or limit, a missing drafter.
+    """
+    default = default_method(args.method, args.drafter, args.target)
+    methods = [default, *(_split(args.methods) if args.methods else _ALWAYS)]
+    for method in methods:
+        METHODS.get(method)
+    for name, value in (("--port", args.port), ("--max-queue", args.max_queue), ("--max-tokens-cap", args.max_tokens_cap)):
+        if value < (0 if name == "--max-queue" else 1):
+            raise ConfigError(f"{name} must be a positive integer, got {value}.")
+    for name, value in (("--time-limit", args.time_limit), ("--shutdown-grace", args.shutdown_grace)):
+        if not value > 0 or value == float("inf"):
+            raise ConfigError(f"{name} must be a positive number of seconds, got {value}.")
+    options = {}
+    for item in args.option:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--option takes KEY=VALUE, got {item!r}.")
+        options[key.strip()] = parse_option_value(value.strip())
+    if args.drafter is not None:
+        if not Path(args.drafter).exists() and args.drafter not in KNOWN_TARGETS:
+            raise ConfigError(f"the drafter {args.drafter} does not exist.")
+        options["drafter_path"] = args.drafter
+    METHODS.get(default).make_config(**options)
+    return default, methods, options
 
 
 def _split(text: str) -> list[str]:

@@ -296,10 +296,10 @@ def markdown_report(overhead: dict | None, predicted: dict | None, commands: dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m specwise.lab.serving overhead|predicted --out FILE.json [...]``."""
+    """``python benchmarks/serving.py overhead|predicted --out FILE.json [...]``."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m specwise.lab.serving")
+    parser = argparse.ArgumentParser(prog="python benchmarks/serving.py")
     parser.add_argument("kind", choices=["overhead", "predicted", "report"])
     parser.add_argument("--overhead-json", default=None, help="report: an overhead run's JSON")
     parser.add_argument("--predicted-json", default=None, help="report: a predicted run's JSON")
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                   "median_speedup": statistics.median(r["speedup"] for r in rows),
                   "median_speedup_by_edit": {e: statistics.median(r["speedup"] for r in rows if r["edit"] == e)
                                              for e in dict.fromkeys(r["edit"] for r in rows)}}
-    result["command"] = "python -m specwise.lab.serving " + " ".join(argv if argv is not None else sys.argv[1:])
+    result["command"] = "python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     progress(json.dumps(result.get("summary") or {k: v for k, v in result.items() if k != "rows"}))

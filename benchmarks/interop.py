@@ -1,4 +1,4 @@
-"""Exported drafters in other runtimes: ``python -m specwise.lab.interop llama-check``.
+"""Exported drafters in other runtimes: ``python benchmarks/interop.py llama-check``.
 
 ``llama-check`` (a benchmark, not a CI test: it needs a built ``llama-server``) exports an EAGLE-3
 head to the speculators format, converts it with llama.cpp's own ``convert_hf_to_gguf.py
@@ -135,7 +135,7 @@ def llama_check(target_name: str, binary: Path, out: Path, *, drafter: str | Non
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m specwise.lab.interop")
+    parser = argparse.ArgumentParser(prog="python benchmarks/interop.py")
     parser.add_argument("kind", choices=["llama-check"])
     parser.add_argument("--target", default="gemma-3-270m")
     parser.add_argument("--drafter", default=None, help="EAGLE head directory (default: the shipped one)")

@@ -2,7 +2,7 @@
 sampling noise: on every sampled step of a real generation, the expected number of accepted drafts
 under both rules is computed exactly from the same drafts and distributions.
 
-    python -m specwise.lab.block_gain --prompts ../shared/data/*.jsonl --held-out --per-category 2 \\
+    python benchmarks/block_gain.py --prompts ../shared/data/*.jsonl --held-out --per-category 2 \\
         --temperature 0.7 --out runs/block-gain.json
 
 The generation itself is verified token-wise (the default rule), so its text is an ordinary sample;
@@ -104,7 +104,7 @@ class _WithRule(Drafter):
 
 def main(argv: list[str] | None = None) -> int:
 
-    parser = argparse.ArgumentParser(prog="python -m specwise.lab.block_gain", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/block_gain.py", description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="gemma-3-270m")
     parser.add_argument("--drafter", default=None, help="the draft model (default: the target's)")
     parser.add_argument("--prompts", nargs="+", required=True)

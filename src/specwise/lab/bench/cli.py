@@ -1,0 +1,103 @@
+"""``specwise bench``: methods, Hugging Face peers and llama.cpp raced on the same prompts in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from specwise.drafters.spec import split_spec, split_specs
+from specwise.engine.clock import machine_info
+from specwise.engine.loading import gguf_file
+from specwise.engine.native.weights import WEIGHTS, WEIGHTS_HELP
+from specwise.engine.target import load_target
+from specwise.errors import ConfigError
+from specwise.lab.bench.contenders import hf_peer_specs, parse_contender
+from specwise.lab.bench.plots import write_bench_plots
+from specwise.lab.bench.progress import bench_progress
+from specwise.lab.bench.report import markdown_report, rich_table
+from specwise.lab.bench.runner import run_benchmark
+from specwise.lab.bench.sweep import Sweep
+from specwise.prompts import default_prompt_records, is_held_out, load_prompts, take_per_category
+
+
+def add_bench_args(bench: argparse.ArgumentParser, default_target: str) -> None:
+    """The flags of ``specwise bench``; sets ``func``."""
+    bench.add_argument("--target", default=default_target)
+    bench.add_argument("--prompts", nargs="*", default=None, help="prompt JSONL files (default: the built-in set + 3 HumanEval prompts)")
+    bench.add_argument("--methods", default="ar,pld,lookahead",
+                       help="comma-separated contenders, e.g. 'ar,pld,pld[num_draft_tokens=5,max_ngram_size=2],hf-pld'")
+    bench.add_argument("--hf-peers", action="store_true", help="add Hugging Face generate and prompt lookup")
+    bench.add_argument("--per-category", type=int, default=0, help="first N prompts of each category")
+    bench.add_argument("--held-out", action="store_true",
+                       help="only prompts of the evaluation split, which drafter training never uses")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--chat", action="store_true", help="send each prompt as a user message through the target's chat template")
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
+    bench.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--out", default="runs/bench")
+    bench.add_argument("--llama-server", default=None, metavar="PATH",
+                       help="llama.cpp's llama-server, for the llamacpp[...] contenders (scripts/build-llama-server.sh)")
+    bench.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
+                       help="run every drafting method once per value of one option, e.g. num_draft_tokens=1,3,5,7")
+    bench.set_defaults(func=cmd_bench)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    records = _bench_prompts(args)
+    specs = split_specs(args.methods)
+    if args.hf_peers:
+        specs += hf_peer_specs(specs)
+    sweep = None
+    if args.sweep:  # one contender per value, all measured side by side in the same run
+        specs, sweep = Sweep.parse(args.sweep).expand(specs)
+    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress, weights=args.weights)
+    others = {w: load_target(args.target, dtype=args.dtype, device=args.device, weights=w)
+              for w in sorted({split_spec(s)[0].partition("@")[2] for s in specs} - {""})}
+    server = Path(args.llama_server) if args.llama_server else None
+    gguf = gguf_file(args.target) if server else None
+    contenders = [parse_contender(target, spec, server, gguf, others) for spec in specs]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console()
+    extra = {"command": " ".join(["specwise", *sys.argv[1:]]), "machine": machine_info(target.device)}
+    if sweep:
+        extra["sweep"] = sweep.to_config()
+    with bench_progress(console, len(records) * len(contenders)) as on_progress:
+        result = run_benchmark(target, records, contenders, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, seed=args.seed, on_progress=on_progress,
+                               extra_config=extra, chat=args.chat)
+    results = result.to_dict()
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plots = write_bench_plots(results, out)
+    (out / "report.md").write_text(markdown_report(result, plots))
+    for group in result.summaries if console.is_terminal else ["overall"]:  # a log gets the overall table
+        console.print(rich_table(result, group))
+    console.print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {', '.join(p.name for p in plots)}")
+    return 0
+
+
+def _bench_prompts(args: argparse.Namespace) -> list:
+    """The prompt records a ``bench`` run measures.
+
+    Raises:
+        ConfigError: the selection leaves no prompt.
+    """
+    records = load_prompts(args.prompts) if args.prompts else default_prompt_records()
+    if args.held_out:
+        records = [r for r in records if is_held_out(r)]
+    if args.per_category:
+        records = take_per_category(records, args.per_category)
+    if not records:
+        raise ConfigError("no prompts to benchmark.")
+    return records

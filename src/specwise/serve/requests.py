@@ -1,0 +1,158 @@
+"""A request's path before it runs, as plain functions: check it once against what the server
+serves and its limits, tokenize it, and build the generation it asks for (ARCHITECTURE.md §8).
+
+Nothing here needs a running server: :func:`prepare` takes a parsed request body
+(:mod:`specwise.serve.protocol`) and returns the :class:`Prepared` generation, or raises the
+:class:`~specwise.serve.protocol.ApiError` the client gets.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from specwise.api import encode_prompt
+from specwise.errors import SpecwiseError
+from specwise.serve.protocol import ApiError
+from specwise.serve.worker import check_request_options
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a server serves and allows (the parts of its config a request is checked against).
+
+    Attributes:
+        model: the model id clients name.
+        default_method: the method of a request that names none.
+        methods: the methods a request may choose.
+        max_tokens_cap: the most new tokens a request may ask for (and the default for chat).
+        max_prompt_tokens: the longest prompt accepted; ``None``: the target's context.
+        max_messages: the most chat messages in one request.
+    """
+
+    model: str
+    default_method: str
+    methods: tuple[str, ...]
+    max_tokens_cap: int
+    max_prompt_tokens: int | None
+    max_messages: int
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked request, ready to run.
+
+    Attributes:
+        request_id: ``chatcmpl-...`` or ``cmpl-...``.
+        kwargs: keyword arguments of :func:`specwise.generate` (prompt ids or messages, sampling,
+            stop strings, prediction, ``max_new_tokens``).
+        method, options: the drafter.
+        prompt_tokens: the prompt's length in tokens (chat: as the template renders it).
+    """
+
+    request_id: str
+    kwargs: dict[str, Any]
+    method: str
+    options: dict[str, Any]
+    prompt_tokens: int
+
+
+def check_request(body, chat: bool, limits: Limits) -> tuple[str, dict[str, Any]]:
+    """The checks that need no tokenizer: the model, the method and its options, the prediction.
+
+    Returns:
+        ``(method, options)``.
+
+    Raises:
+        ApiError: 404 for another model; 400 naming the field otherwise.
+    """
+    if body.model != limits.model:
+        raise ApiError(404, f"the model {body.model!r} is not served here; this server serves {limits.model!r}.",
+                       "model", kind="not_found_error")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options needs stream=true.", "stream_options")
+    spec = body.speculative
+    method = (spec.method if spec and spec.method else None) or limits.default_method
+    if method not in limits.methods:
+        raise ApiError(400, f"method {method!r} is not loaded on this server (loaded: {', '.join(limits.methods)}).",
+                       "speculative.method")
+    options = dict(spec.options) if spec else {}
+    check_request_options(method, options)
+    if body.prediction is not None and not body.prediction.text.strip():
+        raise ApiError(400, "the prediction is empty; leave it out or give the text the output should repeat.",
+                       "prediction")
+    if chat and len(body.messages) > limits.max_messages:
+        raise ApiError(413, f"{len(body.messages)} messages exceed this server's limit of {limits.max_messages}.",
+                       "messages")
+    return method, options
+
+
+def sampling_kwargs(body) -> dict[str, Any]:
+    """The request's sampling, stop strings and prediction as :func:`specwise.generate` takes them
+    (``top_p`` 0 keeps only the most likely token)."""
+    return dict(temperature=float(body.temperature), top_p=float(body.top_p) or 1.0,
+                top_k=1 if body.top_p == 0 else 0, seed=body.seed, stop=body.stop_strings,
+                prediction=body.prediction.text if body.prediction is not None else None)
+
+
+def tokenize(target, body, chat: bool) -> tuple[dict[str, Any], int]:
+    """The prompt as :func:`specwise.generate` takes it (``prompt`` ids, or ``messages``) and its
+    length in tokens. Slow (a tokenizer, a chat template): run it off the event loop.
+
+    Raises:
+        ApiError: 400 for a prompt or messages the target refuses (no chat template included).
+    """
+    try:
+        if chat:
+            messages = [{"role": m.role, "content": m.text} for m in body.messages]
+            return {"messages": messages}, int(target.encode_chat(messages).numel())
+        ids = encode_prompt(target, body.prompt)
+        return {"prompt": ids}, int(ids.numel())
+    except SpecwiseError as exc:
+        hint = " Send a text prompt to /v1/completions instead." if chat and "chat template" in str(exc) else ""
+        raise ApiError(400, str(exc) + hint, "messages" if chat else "prompt") from None
+
+
+def token_budget(body, chat: bool, prompt_tokens: int, context: int, limits: Limits) -> int:
+    """The new tokens the request gets: what it asked for, else (chat) the cap and what the context leaves.
+
+    Raises:
+        ApiError: 413 for a prompt over the limit; 400 for ``max_tokens`` over the cap or the context.
+    """
+    field = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+    where = "messages" if chat else "prompt"
+    limit = limits.max_prompt_tokens or context
+    if prompt_tokens > limit:
+        raise ApiError(413, f"the prompt has {prompt_tokens} tokens; this server accepts at most {limit}.", where)
+    asked = body.token_limit if chat else body.max_tokens
+    room = context - prompt_tokens
+    if asked is not None and asked > limits.max_tokens_cap:
+        raise ApiError(400, f"{field} is {asked}; this server allows at most {limits.max_tokens_cap}.", field)
+    if asked is not None and asked > room:
+        raise ApiError(400, f"the prompt has {prompt_tokens} tokens and {field} is {asked}, but the target's "
+                            f"context holds {context} tokens.", field)
+    if room < 1:
+        raise ApiError(400, f"the prompt fills the target's context of {context} tokens.", where)
+    return asked if asked is not None else min(limits.max_tokens_cap, room)
+
+
+def prepare(target, body, chat: bool, limits: Limits) -> Prepared:
+    """Check ``body`` once, tokenize it and build its generation (tokenizes: call it off the event loop).
+
+    Args:
+        target: the served :class:`specwise.engine.target.Target`.
+        body: a parsed :class:`~specwise.serve.protocol.CompletionRequest` or
+            :class:`~specwise.serve.protocol.ChatRequest`.
+        chat: whether ``body`` is a chat request.
+        limits: the server's :class:`Limits`.
+
+    Raises:
+        ApiError: the status and field the client is told.
+    """
+    method, options = check_request(body, chat, limits)
+    prompt, prompt_tokens = tokenize(target, body, chat)
+    kwargs = {**sampling_kwargs(body), **prompt,
+              "max_new_tokens": token_budget(body, chat, prompt_tokens, target.max_context, limits)}
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    return Prepared(request_id, kwargs, method, options, prompt_tokens)
