@@ -4,6 +4,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# llama-cpp-python (the [llamacpp] extra) is compiled by pip: with ggml's CPU backends as dynamically
+# loaded variants, one per x86 level, so a wheel cached on one CPU never runs an instruction another
+# lacks (specwise loads the best variant at start); a user's own CMAKE_ARGS win
+export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
 .PHONY: demo test test-fast bench clean
 
@@ -19,7 +24,7 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[bench]"
 	touch $@
 
-# the tests cover every layer: [dev] = [bench] + [train] + [qwen] + [serve] + the openai client + pytest (+ xdist), hypothesis, scipy, ruff
+# the tests cover every layer: [dev] = [bench] + [train] + [qwen] + [serve] + [llamacpp] + the openai client + pytest (+ xdist), hypothesis, scipy, ruff
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@

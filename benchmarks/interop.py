@@ -24,10 +24,10 @@ import torch
 from specwise.api import encode_prompt, generate
 from specwise.drafters.checkpoint import shipped_drafter
 from specwise.drafters.export import export_drafter
-from specwise.engine.loading import gguf_file
-from specwise.engine.target import load_target
 from specwise.lab.bench.llamacpp import LlamaServer
 from specwise.prompts import default_prompt_records, is_held_out, load_prompts, take_per_category
+from specwise.targets.hf import load_target
+from specwise.targets.loading import gguf_file
 
 
 def _say(message: str) -> None:

@@ -19,8 +19,8 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specwise.drafters.base import Drafter
-from specwise.engine.target import Target
 from specwise.engine.types import AuxiliaryTokens, DraftContext, Proposal, StepFeedback
+from specwise.targets.hf import Target
 
 # Tiny models on a 2-core CPU: intra-op threading costs far more than it saves (one float64->float32
 # softmax in eager attention takes ~8 ms with 2 threads and ~5 us with 1), so use one thread.

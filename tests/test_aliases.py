@@ -4,9 +4,9 @@ import hashlib
 
 import pytest
 
-from specwise.engine import aliases, loading
-from specwise.engine.aliases import KNOWN_TARGETS, KnownTarget, assemble, part_paths
 from specwise.errors import TargetLoadError
+from specwise.targets import aliases, loading
+from specwise.targets.aliases import KNOWN_TARGETS, KnownTarget, assemble, part_paths
 
 
 def _fake_target(tmp_path, monkeypatch, chunks, *, name="fakepart", size=None, digest=None):

@@ -3,8 +3,11 @@
 Layers, lowest first (a module may import its own layer and the ones below it):
 
 - ``errors``, ``prompts``: leaves;
-- ``engine``: the loop, the one-forward verification step, the pure verification maths, the tree,
-  the cache, the target adapter, sampling, types, the cost model and the forward timing;
+- ``engine``: the decoding core: the loop, the one-forward verification step, the pure
+  verification maths, the tree, sampling, stopping, types, the target and drafter interfaces, the
+  cost model and the forward timing (calibration);
+- ``targets``: the targets behind the interface: the Hugging Face model on torch (``hf``) and its
+  KV cache, loading, the aliases, chat templates, the GGUF's native packing;
 - ``models``: the drafters' torch modules;
 - ``interop``: the drafters in other projects' formats (detect, import, export);
 - ``drafters``: the methods and their registry, checkpoints, drafter timing;
@@ -30,7 +33,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 #: each layer's top-level names under ``specwise``; "" is the package root
-LAYERS = (("errors", "prompts"), ("engine",), ("models",), ("interop",), ("drafters",), ("api",), ("serve",), ("training",), ("lab",),
+LAYERS = (("errors", "prompts"), ("engine",), ("targets",), ("models",), ("interop",), ("drafters",), ("api",), ("serve",), ("training",), ("lab",),
           ("cli", "commands", ""))
 
 
@@ -91,7 +94,8 @@ def test_no_import_runs_up_the_layers():
 
 def test_the_engine_never_imports_the_lab_tools():
     for name, deps in GRAPH.items():
-        if name.startswith(("specwise.engine", "specwise.drafters", "specwise.models", "specwise.training")):
+        if name.startswith(("specwise.engine", "specwise.targets", "specwise.drafters", "specwise.models",
+                             "specwise.training")):
             assert not [t for t, _ in deps if t.startswith(("specwise.lab", "specwise.cli"))], name
 
 

@@ -24,8 +24,8 @@ from transformers import AutoModelForCausalLM
 import specwise
 from conftest import make_model, make_tokenizer
 from specwise.cli import main
-from specwise.engine.target import Target
 from specwise.errors import ConfigError, PromptError, SpecwiseError, TargetLoadError
+from specwise.targets.hf import Target
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 PROMPT_TEXT = "t5 t6 t7 t8"

@@ -6,8 +6,8 @@ import torch
 import specwise
 from conftest import make_target, reference_greedy
 from specwise.cli import main
-from specwise.engine.chat import check_messages, end_of_turn_ids
 from specwise.errors import PromptError
+from specwise.targets.chat import check_messages, end_of_turn_ids
 
 # A Qwen-shaped template over the tiny word-level vocabulary: t3 opens a turn, t4 closes a user or
 # system turn, and END (filled in per test) closes an assistant turn.

@@ -17,13 +17,13 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 import specwise
-import specwise.engine.native.modules as native_modules
+import specwise.targets.native.modules as native_modules
 from conftest import RandomDrafter, assert_distribution, make_model, make_tokenizer, repetitive_prompt
-from specwise.engine.native.blocks import BLOCK_SIZES, GROUP, Affine, affine_from_blocks, planes_from_affine
-from specwise.engine.native.modules import ALIGNMENT, Int8Linear, PackedEmbedding, PackedLinear, int8_rows
-from specwise.engine.native.weights import check_weights, native_supported, weights_of
-from specwise.engine.target import Target
 from specwise.errors import ConfigError
+from specwise.targets.hf import Target
+from specwise.targets.native.blocks import BLOCK_SIZES, GROUP, Affine, affine_from_blocks, planes_from_affine
+from specwise.targets.native.modules import ALIGNMENT, Int8Linear, PackedEmbedding, PackedLinear, int8_rows
+from specwise.targets.native.weights import check_weights, native_supported, weights_of
 from test_sampling_e2e import exact_joint
 
 
@@ -228,7 +228,7 @@ def test_packed_target_samples_its_own_distribution():
 def test_forward_timing_rolls_back_a_sliding_window_cache():
     """The auto choice times forwards after a cached prefix; a Gemma-like model's sliding-window
     layers must roll back like the full ones (transformers 5 takes a negative count)."""
-    from specwise.engine.native.weights import forward_ms
+    from specwise.targets.native.weights import forward_ms
 
     model = make_model("gemma3", dtype=torch.float32, sliding_window=8)
     step, verify = forward_ms(model, context=16, repeats=2)

@@ -18,11 +18,11 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 import specwise
-from specwise.engine.loading import gguf_file
-from specwise.engine.native.blocks import PLANE_TYPES, affine_from_blocks, planes_from_affine
-from specwise.engine.native.modules import Int8Linear, PackedLinear, int8_rows
-from specwise.engine.native.weights import weights_of
 from specwise.lab.bench.runner import TIE_MARGIN, first_divergence
+from specwise.targets.loading import gguf_file
+from specwise.targets.native.blocks import PLANE_TYPES, affine_from_blocks, planes_from_affine
+from specwise.targets.native.modules import Int8Linear, PackedLinear, int8_rows
+from specwise.targets.native.weights import weights_of
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ from conftest import (
 from specwise.engine.loop import speculative_generate
 from specwise.engine.node_logits import NodeValues, TreeLogits, first_child_path
 from specwise.engine.sampling import SamplingConfig
-from specwise.engine.target import Target
 from specwise.engine.tree import DraftTree
+from specwise.targets.hf import Target
 
 CHILDREN = ((1, 4), (2, 3), (), (), (5,), ())  # 0 -> 1 -> {2, 3}; 0 -> 4 -> 5
 

@@ -8,8 +8,8 @@ import pytest
 
 import specwise
 from specwise.drafters.checkpoint import shipped_drafter
-from specwise.engine.aliases import KNOWN_TARGETS
-from specwise.engine.cache import _INITIAL_CAPACITY
+from specwise.targets.aliases import KNOWN_TARGETS
+from specwise.targets.kv_cache import _INITIAL_CAPACITY
 
 pytestmark = pytest.mark.slow
 

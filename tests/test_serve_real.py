@@ -13,7 +13,7 @@ import pytest
 
 import specwise
 from serving import Server
-from specwise.engine.aliases import KNOWN_TARGETS
+from specwise.targets.aliases import KNOWN_TARGETS
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow

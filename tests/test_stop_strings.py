@@ -17,7 +17,7 @@ from conftest import OracleDrafter, greedy_continuation, make_target, random_pro
 from specwise import cli
 from specwise.commands import generate as generate_command
 from specwise.engine.stopping import IncrementalText, StoppingRules
-from specwise.engine.target import Target
+from specwise.targets.hf import Target
 
 PROMPT = random_prompt(10, seed=1)
 N = 14

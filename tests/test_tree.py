@@ -30,7 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specwise
-import specwise.engine.target
+import specwise.targets.hf
 from conftest import (
     ARCHS,
     TREE_SHAPES,
@@ -266,8 +266,8 @@ def test_tree_forward_is_sensitive_to_the_window_and_the_tree_mask(monkeypatch):
     causal = target.forward(tree.tokens, cache, logit_rows=torch.arange(tree.size), layout=chain)
     assert max(_node_errors(target, prefix, tree, causal.logits)) > 1e-2
 
-    original = specwise.engine.target.additive_attention_mask
-    monkeypatch.setattr(specwise.engine.target, "additive_attention_mask",
+    original = specwise.targets.hf.additive_attention_mask
+    monkeypatch.setattr(specwise.targets.hf, "additive_attention_mask",
                         lambda t, visible, positions, dtype, window=None: original(t, visible, positions, dtype, None))
     _, unwindowed = _tree_forward(target, prefix, tree, logit_rows=torch.arange(tree.size))
     errors = _node_errors(target, prefix, tree, unwindowed.logits)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from specwise.drafters import METHODS, Drafter
-from specwise.drafters.base import warn_renamed
+from specwise.drafters.base import check_engine, warn_renamed
 from specwise.drafters.checkpoint import read_config
 from specwise.drafters.prediction import PredictionDrafter, prediction_ids
 from specwise.engine.loop import speculative_generate
@@ -38,7 +38,10 @@ def build_drafter(target, method: str, **options: Any) -> Drafter:
             method that uses none included).
     """
     spec, config = spec_and_config(method, **options)
-    return spec.factory(target, config)
+    check_engine(target, spec.factory)  # before any weights are read
+    drafter = spec.factory(target, config)
+    check_engine(target, drafter)
+    return drafter
 
 
 def shared_drafter(target, method: str, **options: Any) -> Drafter:
@@ -55,7 +58,9 @@ def shared_drafter(target, method: str, **options: Any) -> Drafter:
     with lock:
         drafter = kept.pop(key, None)
         if drafter is None:
+            check_engine(target, spec.factory)
             drafter = spec.factory(target, config)
+            check_engine(target, drafter)
         kept[key] = drafter
         while len(kept) > KEPT_DRAFTERS:
             kept.popitem(last=False)
@@ -84,7 +89,7 @@ def load_drafter(path: str | Path, target, **options):
 
     Args:
         path: a drafter directory (``config.json`` + ``model.safetensors``).
-        target: the :class:`specwise.engine.target.Target`.
+        target: the :class:`specwise.targets.hf.Target`.
         **options: the method's options (e.g. ``num_draft_tokens``; not ``drafter_path``, which is ``path``).
 
     Returns:
@@ -125,7 +130,7 @@ def generate(
     same distribution under sampling.
 
     Args:
-        target: a :class:`specwise.engine.target.Target` (see :func:`specwise.load_target`).
+        target: a :class:`specwise.targets.hf.Target` (see :func:`specwise.load_target`).
         prompt: text (tokenized with the target's tokenizer, BOS added), or token ids as a list or
             tuple of ``int`` or a 1-D integer tensor; any other type is refused, never converted.
         messages: instead of ``prompt``, a chat in OpenAI's shape (``[{"role": "user", "content":
@@ -209,6 +214,8 @@ def generate(
     elif getattr(drafter, "target", None) is not None and drafter.target is not target:
         raise DrafterError(f"this drafter was built for another target ({drafter.target.name}), not "
                            f"{target.name}; build one with specwise.build_drafter(target, ...).")
+    else:
+        check_engine(target, drafter)
     generator = None
     if not sampling.is_greedy or seed is not None:
         generator = torch.Generator(device=target.device)

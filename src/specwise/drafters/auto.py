@@ -40,15 +40,16 @@ from specwise.drafters.base import (
     METHODS,
     Drafter,
     MethodConfig,
+    check_engine,
     check_flag,
     check_int,
     check_probability,
     register_drafter,
 )
 from specwise.drafters.spec import split_spec, split_specs
-from specwise.engine.loading import default_cache_dir
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError, DrafterError
+from specwise.targets.loading import default_cache_dir
 
 #: standard errors by which a method's measurement is read optimistically. The running method's
 #: segment must fall short of another's prediction by more than this before ``auto`` leaves it (a
@@ -113,7 +114,9 @@ def build_candidates(target, config: AutoConfig) -> dict[str, Drafter]:
         name, options = split_spec(spec)
         method = METHODS.get(name)
         try:
+            check_engine(target, method.factory)
             drafter = method.factory(target, method.make_config(**options))
+            check_engine(target, drafter)
         except (DrafterError, ConfigError):
             if explicit:
                 raise
@@ -172,7 +175,7 @@ class AutoDrafter(Drafter):
     """The composite drafter behind ``method="auto"``.
 
     Args:
-        target: the :class:`specwise.engine.target.Target`.
+        target: the :class:`specwise.targets.hf.Target`.
         config: :class:`AutoConfig`.
         candidates: already built drafters by name, instead of building ``config.candidates``.
         clock: seconds now (default ``time.perf_counter``); the step times come from it.

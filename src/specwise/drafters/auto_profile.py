@@ -142,11 +142,14 @@ class AutoProfile:
 
 
 def profile_path(target, cache_root: Path) -> Path | None:
-    """Where ``target``'s profile lives: ``<cache>/auto/<key>.json``, keyed by the model's files,
-    weight form, dtype, device, threads and CPU; ``None`` for a model built in memory (no files)."""
-    source = str(getattr(target.model, "name_or_path", "") or "")
+    """Where ``target``'s profile lives: ``<cache>/auto/<key>.json``, keyed by the model's files, the
+    engine, weight form, dtype, device, threads and CPU; ``None`` for a model built in memory (no files)."""
+    source = str(getattr(getattr(target, "model", None), "name_or_path", "") or getattr(target, "path", "") or "")
     if not source:
         return None
-    key = "|".join([target.name, source, target.weights, str(target.dtype), str(target.device),
-                    f"{torch.get_num_threads()}t", platform.machine(), torch.backends.cpu.get_cpu_capability()])
+    parts = [target.name, source, target.weights, str(target.dtype), str(target.device),
+             f"{getattr(target, 'threads', torch.get_num_threads())}t", platform.machine(),
+             torch.backends.cpu.get_cpu_capability()]
+    engine = getattr(target, "engine", "torch")
+    key = "|".join(parts if engine == "torch" else [engine, *parts])  # the torch engine's keys stay as they were
     return cache_root / "auto" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"

@@ -47,6 +47,21 @@ def loaded_once(target, key: tuple, load: Callable[[], Any]) -> Any:
         return resources[key]
 
 
+def check_engine(target, drafter) -> None:
+    """Refuse a drafter (a built one, or its class before it loads anything) that reads the target's
+    hidden states on a target whose engine gives none (``target.gives_hidden_states`` false: the
+    llama.cpp engine today).
+
+    Raises:
+        DrafterError: one sentence naming the engine that runs the method.
+    """
+    reads = getattr(drafter, "reads_hidden_states", False) or bool(getattr(drafter, "target_hidden_layers", ()))
+    if reads and not getattr(target, "gives_hidden_states", True):
+        raise DrafterError(f"method {drafter.method!r} reads the target's hidden states, which the "
+                           f"{getattr(target, 'engine', 'target')} engine does not give yet; load the target with "
+                           "engine='torch' (--engine torch) for it.")
+
+
 def on_disk(path) -> tuple:
     """What identifies the files at ``path`` as they are now, for a :func:`loaded_once` key: the
     resolved path and each file's size and modification time (a directory's files, one level), so

@@ -21,9 +21,9 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from specwise.engine.aliases import KNOWN_TARGETS
 from specwise.errors import DrafterError
 from specwise.interop.formats import read_json
+from specwise.targets.aliases import KNOWN_TARGETS
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -41,7 +41,14 @@ def target_fingerprint(target) -> str:
 
     Returns:
         16 hex characters.
+
+    Raises:
+        DrafterError: the target has no Hugging Face model to read (a target on another engine:
+            specwise's trained drafters run on the torch engine's target).
     """
+    if not hasattr(target, "model") or not hasattr(target.model, "config"):
+        raise DrafterError(f"specwise's trained drafters run on the torch engine; {target.name} runs on "
+                           f"{getattr(target, 'engine', 'another')} (load it with engine='torch').")
     config = target.model.config.get_text_config()
     shape = {key: getattr(config, key, None) for key in _FINGERPRINT_KEYS}
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
@@ -125,7 +132,7 @@ def load_checkpoint(path: str | Path, target, method: str | None = None) -> Draf
 
     Args:
         path: the drafter directory.
-        target: the :class:`specwise.engine.target.Target` it will run on.
+        target: the :class:`specwise.targets.hf.Target` it will run on.
         method: when given, the method the caller expects.
 
     Returns:
@@ -165,7 +172,7 @@ def load_vocabulary_module(path: str | Path, target, method: str, what: str, con
 
     Args:
         path: the drafter directory.
-        target: the :class:`specwise.engine.target.Target` it will run on.
+        target: the :class:`specwise.targets.hf.Target` it will run on.
         method: the method the checkpoint must hold.
         what: how errors name the module, e.g. ``"the EAGLE head"``.
         config_cls: the architecture dataclass, built from the checkpoint's ``architecture``.

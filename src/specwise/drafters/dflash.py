@@ -129,7 +129,7 @@ class DFlashDrafter(TrainedDrafter):
     """DFlash drafting.
 
     Args:
-        target: the :class:`specwise.engine.target.Target`.
+        target: the :class:`specwise.targets.hf.Target`.
         config: :class:`DFlashDrafterConfig`; ``config.drafter_path`` names the drafter unless ``model``
             is given; without either, the one shipped for the target is used.
         model: an already built :class:`DFlashModel` (in the target's dtype, on its device).

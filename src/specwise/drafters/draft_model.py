@@ -33,12 +33,12 @@ import torch
 from specwise.drafters.base import Drafter, DraftingConfig, check_probability, loaded_once, on_disk, register_drafter
 from specwise.drafters.checkpoint import is_checkpoint, load_checkpoint, shipped_drafter
 from specwise.engine.acceptance import VERIFICATION_RULES
-from specwise.engine.cache import KVCache
-from specwise.engine.loading import gguf_born, load_model_and_tokenizer
 from specwise.engine.sampling import prefix_token_masks, probs_from_scores, process_logits, sample_token
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.draft_lm import DraftLM, DraftLMConfig
+from specwise.targets.kv_cache import KVCache
+from specwise.targets.loading import gguf_born, load_model_and_tokenizer
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ class DraftModelDrafter(Drafter):
     """Speculative sampling with a separate draft LM.
 
     Args:
-        target: the :class:`specwise.engine.target.Target`.
+        target: the :class:`specwise.targets.hf.Target`.
         config: :class:`DraftModelConfig`; ``config.drafter_path`` names the model to load (a
             specwise draft LM, an HF directory, a ``.gguf`` file or a target alias such as
             ``qwen2.5-coder-0.5b-instruct``) unless ``draft_model`` is given; without either, the

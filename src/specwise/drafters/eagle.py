@@ -140,7 +140,7 @@ class EagleDrafter(TrainedDrafter):
     """EAGLE-3 drafting with EAGLE-2 dynamic trees.
 
     Args:
-        target: the :class:`specwise.engine.target.Target`.
+        target: the :class:`specwise.targets.hf.Target`.
         config: :class:`EagleDrafterConfig`; ``config.drafter_path`` names the head unless ``head`` is
             given; without either, the head shipped for the target is used.
         head: an already built :class:`EagleHead` (in the target's dtype, on its device).

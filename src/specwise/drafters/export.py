@@ -29,7 +29,7 @@ def resolve_export(target, fmt: str, path: str | Path | None = None, method: str
     model is loaded.
 
     Args:
-        target: the :class:`specwise.engine.target.Target`, or its name.
+        target: the :class:`specwise.targets.hf.Target`, or its name.
         fmt: the format to write.
         path: the drafter's directory; ``None``: the one shipped for ``method``.
         method: the drafter's method when ``path`` is not given.
@@ -71,7 +71,7 @@ def export_drafter(target, out: str | Path, fmt: str = "speculators", *, path: s
     """Write a drafter of ``target`` in a public format.
 
     Args:
-        target: the :class:`specwise.engine.target.Target` the drafter runs on
+        target: the :class:`specwise.targets.hf.Target` the drafter runs on
             (``specwise.load_target("gemma-3-270m")``).
         out: the directory to write (new or empty).
         fmt: ``"speculators"``, ``"eagle3"`` (SpecForge / SGLang) or ``"medusa"`` (FasterDecoding).

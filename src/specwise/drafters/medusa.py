@@ -143,7 +143,7 @@ class MedusaDrafter(TrainedDrafter):
     """Medusa-1 drafting: K heads, a calibrated static tree.
 
     Args:
-        target: the :class:`specwise.engine.target.Target`.
+        target: the :class:`specwise.targets.hf.Target`.
         config: :class:`MedusaDrafterConfig`; ``config.drafter_path`` names the heads unless ``heads`` is
             given; without either, the heads shipped for the target are used.
         heads: already built :class:`MedusaHeads` (in the target's dtype, on its device).

@@ -83,7 +83,7 @@ def calibrate(
     """Measure ``t(n)``, ``v(n)`` and each method's draft cost ``c`` on ``target``.
 
     Args:
-        target: the :class:`specwise.engine.target.Target` to measure.
+        target: the :class:`specwise.targets.hf.Target` to measure.
         methods: chain drafting method specs (``pld``, ``pld[num_draft_tokens=5]``,
             ``draft[drafter_path=PATH]``); ``ar`` is skipped (it drafts nothing, c = 0).
         sizes: token counts n for ``t(n)``; 1 is always included.

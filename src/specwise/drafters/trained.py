@@ -111,6 +111,8 @@ class TrainedDrafter(Drafter):
     """
 
     config: TrainedDrafterConfig
+    #: every trained drafter conditions on the target's hidden states
+    reads_hidden_states = True
 
     def setup_lookup(self, target, origin: str | None = None) -> None:
         """Record what the lookup graft and the import canary of each generation need.

@@ -39,7 +39,7 @@ class TreeLogits:
         final_hidden: ``[n, H]`` the target's final hidden state at every node, or ``None`` when
             ``known_nodes`` covers the whole tree.
         lm_head: ``[R, H] -> [R, V]``, the target's LM head
-            (:meth:`specwise.engine.target.Target.logits_from_final_hidden`).
+            (:meth:`specwise.targets.hf.Target.logits_from_final_hidden`).
     """
 
     def __init__(self, known_nodes: list[int], known_logits: torch.Tensor, final_hidden: torch.Tensor | None,

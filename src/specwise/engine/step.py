@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from specwise.engine.acceptance import EXACT, AcceptanceRule, ExactAcceptance
-from specwise.engine.cache import KVCache
 from specwise.engine.node_logits import TreeLogits, first_child_path
 from specwise.engine.sampling import (
     NonFiniteDistributionError,
@@ -30,7 +29,7 @@ from specwise.engine.sampling import (
     probs_from_scores,
     process_logits,
 )
-from specwise.engine.target import AttentionLayout
+from specwise.engine.target import AttentionLayout, TargetCache
 from specwise.engine.tree import DraftTree
 from specwise.engine.types import AuxiliaryTokens, Proposal
 from specwise.engine.verify import greedy_accept
@@ -156,13 +155,13 @@ class VerifiedStep:
     aux_logits: torch.Tensor | None = None
 
 
-def verify_proposal(target, cache: KVCache, context: torch.Tensor, proposal: Proposal, *, budget: int,
+def verify_proposal(target, cache: TargetCache, context: torch.Tensor, proposal: Proposal, *, budget: int,
                     sampling: SamplingConfig, generator: torch.Generator | None,
                     hidden_layers: tuple[int, ...]) -> VerifiedStep:
     """Verify a proposal in one target forward and keep only the accepted path in the KV cache.
 
     Args:
-        target: the :class:`specwise.engine.target.Target`.
+        target: the :class:`specwise.targets.hf.Target`.
         cache: the generation's KV cache, holding ``len(context) - 1`` positions.
         context: ``[T+1]`` long, committed tokens ending with the root.
         proposal: the drafter's proposal; chains are cut and trees pruned to ``budget``.

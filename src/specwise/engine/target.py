@@ -1,26 +1,20 @@
-"""The target: a thin adapter over an unmodified Hugging Face causal LM.
+"""What the decoding loop needs from a target (ARCHITECTURE.md §9): the interface every engine's
+target implements, and the shapes it passes.
 
-It owns nothing but the model and tokenizer; KV caches are created per generation
-(:meth:`Target.new_cache`) and passed to :meth:`Target.forward` explicitly.
+The loop, the verification step and the drafters see a target only through this interface, so a
+target may run on any engine: :class:`specwise.targets.hf.Target` is a Hugging Face model on torch;
+a target on another engine (llama.cpp's, where a draft tree is one sequence id per branch and a
+rollback is a sequence operation) implements the same methods. Tensors cross the interface as
+torch tensors (logits, token ids, layouts); nothing else about torch is assumed. The tests run the
+loop on a target that is no torch model (``tests/test_targets.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
-from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
-
-from specwise.engine.cache import KVCache
-from specwise.engine.chat import chat_prompt_ids, check_messages, end_of_turn_ids
-from specwise.engine.loading import load_model_and_tokenizer
-from specwise.engine.native.weights import weights_of
-from specwise.engine.tree import additive_attention_mask
-from specwise.errors import ConfigError
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
-          "float64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -28,197 +22,13 @@ class TargetOutput:
     """One target forward.
 
     Attributes:
-        logits: ``[N, V]`` raw logits of the last N input positions (model dtype).
+        logits: ``[N, V]`` raw logits of the rows asked for (the target's dtype).
         hidden_states: the hidden states asked for, ``layer index -> [n, H]`` (HF indexing:
             0 = embeddings, i = output of decoder layer i-1); empty when none were asked for.
     """
 
     logits: torch.Tensor
     hidden_states: dict[int, torch.Tensor]
-
-
-class Target:
-    """A causal LM that verifies drafts.
-
-    Attributes:
-        model: the unmodified ``PreTrainedModel`` (eval mode, no grad).
-        tokenizer: its tokenizer.
-        name: the name it was loaded by (an alias, or a path).
-        vocab_size: rows of the LM head's output (logits width), V.
-        eos_token_ids: token ids that end generation.
-        max_context: the model's maximum number of positions.
-        weights: ``"native"``, ``"native-exact"`` (packed GGUF weights) or ``"bf16"`` (dense, in
-            :attr:`dtype`): lossless means relative to the target as loaded.
-    """
-
-    def __init__(self, model, tokenizer, name: str) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.name = name
-        head = model.get_output_embeddings()
-        self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
-        self.weights = weights_of(model)
-        self.eos_token_ids = _eos_ids(model, tokenizer)
-        text_config = model.config.get_text_config()
-        self.max_context = int(getattr(text_config, "max_position_embeddings", 0) or 1 << 30)
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
-    @property
-    def final_layer(self) -> int:
-        """HF ``hidden_states`` index of the final hidden state (after the final norm): the layer count L."""
-        return int(self.model.config.get_text_config().num_hidden_layers)
-
-    @torch.inference_mode()
-    def logits_from_final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head on final hidden states: what the model's forward returns as logits.
-
-        Lets a verification compute the LM head for only the tree nodes it visits
-        (:class:`specwise.engine.node_logits.TreeLogits`); use it only where
-        :attr:`computes_logits_from_hidden` is true.
-
-        Args:
-            hidden: ``[R, H]`` rows of ``hidden_states[final_layer]`` (model dtype).
-
-        Returns:
-            ``[R, V]`` logits (model dtype), final logit soft-capping (Gemma) applied.
-        """
-        logits = self.model.get_output_embeddings()(hidden)
-        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
-    @cached_property
-    @torch.inference_mode()
-    def computes_logits_from_hidden(self) -> bool:
-        """Whether :meth:`logits_from_final_hidden` reproduces this model's logits.
-
-        Checked once, on a two-token forward: an architecture that transforms its logits in a way
-        the method does not know (a logit scale, say) gets ``False``, and verification then computes
-        every row through the model's own forward.
-        """
-        ids = torch.tensor([[0, 1]], device=self.device).clamp_(max=self.vocab_size - 1)
-        out = self.model(input_ids=ids, use_cache=False, output_hidden_states=True)
-        expected = out.logits[0].float()
-        ours = self.logits_from_final_hidden(out.hidden_states[self.final_layer][0]).float()
-        if ours.shape != expected.shape:
-            return False
-        tolerance = 4 * torch.finfo(self.dtype).eps * float(expected.abs().max()) + 1e-6
-        return bool(((ours - expected).abs() <= tolerance).all())
-
-    def new_cache(self) -> KVCache:
-        """An empty KV cache for one generation."""
-        return KVCache()
-
-    def encode(self, text: str) -> torch.Tensor:
-        """Tokenize a prompt (with the model's special prefix, e.g. BOS). Returns ``[T]`` long."""
-        ids = self.tokenizer(text, return_tensors="pt").input_ids[0]
-        return ids.to(self.device)
-
-    @cached_property
-    def end_of_turn_ids(self) -> frozenset[int]:
-        """Tokens that close an assistant turn in the chat template (empty without one); a chat
-        generation ends at these as at :attr:`eos_token_ids`."""
-        return end_of_turn_ids(self.tokenizer)
-
-    def encode_chat(self, messages) -> torch.Tensor:
-        """Token ids of chat ``messages`` through the target's chat template, the assistant's turn
-        opened (:func:`specwise.engine.chat.chat_prompt_ids`). Returns ``[T]`` long.
-
-        Raises:
-            PromptError: malformed messages, or a target without a chat template.
-        """
-        ids = chat_prompt_ids(self.tokenizer, check_messages(messages), self.name)
-        return torch.tensor(ids, dtype=torch.long, device=self.device)
-
-    def decode(self, token_ids, special_tokens: bool = False) -> str:
-        """Decode token ids to text, special tokens skipped unless ``special_tokens``."""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=not special_tokens)
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        cache: KVCache,
-        *,
-        num_logits: int | None = None,
-        logit_rows: torch.Tensor | None = None,
-        hidden_layers: tuple[int, ...] = (),
-        layout: "AttentionLayout | None" = None,
-    ) -> TargetOutput:
-        """Run the target on new tokens after the cached prefix.
-
-        Args:
-            input_ids: ``[n]`` long, new tokens; they occupy cache slots
-                ``cache.length .. cache.length + n - 1``.
-            cache: the generation's KV cache; it grows by n.
-            num_logits: compute logits for only the last this-many tokens (the LM head dominates
-                small models' cost, so the prefill asks for 1).
-            logit_rows: ``[R]`` long, compute logits for exactly these input rows instead.
-            hidden_layers: hidden-state indices to return (HF ``hidden_states`` indexing).
-            layout: for trees and other non-causal inputs, which new tokens see which and their
-                positions; ``None`` means an ordinary causal continuation.
-
-        Returns:
-            :class:`TargetOutput` with ``logits [R, V]``.
-
-        Raises:
-            ConfigError: a custom layout on a model whose attention cannot take 4-D masks.
-        """
-        n = input_ids.numel()
-        if logit_rows is not None:
-            keep = logit_rows
-        elif num_logits is None or num_logits >= n:
-            keep = 0
-        else:
-            # An index tensor, not an int: HF slices an int as a view whose [1, 1, H] strides send
-            # torch's linear down a slow batched path that copies the whole LM head (a large cost
-            # per generation for Gemma-3-270M on CPU; see docs/notes/loop.md); an index gather
-            # gives a freshly laid-out tensor.
-            keep = torch.arange(n - num_logits, n, device=input_ids.device)
-        extra = {}
-        if layout is not None:
-            extra["attention_mask"] = self._layout_masks(cache.length, layout)
-            extra["position_ids"] = layout.positions[None]
-        want_hidden = bool(hidden_layers)
-        out = self.model(
-            input_ids=input_ids[None],
-            cache=cache.hf_cache,
-            use_cache=True,
-            logits_to_keep=keep,
-            output_hidden_states=want_hidden,
-            **extra,
-        )
-        hidden = {i: out.hidden_states[i][0] for i in hidden_layers} if want_hidden else {}
-        return TargetOutput(logits=out.logits[0], hidden_states=hidden)
-
-    def _layout_masks(self, prefix_length: int, layout: "AttentionLayout"):
-        """Additive 4-D masks for a custom layout: one tensor, or one per layer type (Gemma-3)."""
-        config = self.model.config.get_text_config()
-        backend = getattr(self.model.config, "_attn_implementation", None) or "eager"
-        if backend not in ("eager", "sdpa"):
-            raise ConfigError(
-                f"tree verification needs attn_implementation 'sdpa' or 'eager', but {self.name} uses "
-                f"{backend!r}; load it with attn_implementation='sdpa'."
-            )
-        window = getattr(config, "sliding_window", None)
-        layer_types = set(getattr(config, "layer_types", None) or ())
-        unsupported = layer_types - {"full_attention", "sliding_attention"}
-        if unsupported:
-            raise ConfigError(f"tree verification does not support {sorted(unsupported)} layers ({config.model_type}).")
-        build = lambda w: additive_attention_mask(prefix_length, layout.visible, layout.positions, self.dtype, w)  # noqa: E731
-        if "sliding_attention" in layer_types:
-            return {"full_attention": build(None), "sliding_attention": build(window)}
-        if not layer_types and window is not None and getattr(config, "use_sliding_window", True):
-            return build(window)  # every layer slides (Mistral-style configs)
-        return build(None)
 
 
 @dataclass(frozen=True)
@@ -235,76 +45,69 @@ class AttentionLayout:
     positions: torch.Tensor
 
 
-def _eos_ids(model, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for value in (gen_eos, tokenizer.eos_token_id):
-        if value is None:
-            continue
-        ids.update(value if isinstance(value, (list, tuple)) else [value])
-    return frozenset(int(i) for i in ids)
+@runtime_checkable
+class TargetCache(Protocol):
+    """One generation's cache of the target's keys and values (or its engine's sequence state)."""
+
+    @property
+    def length(self) -> int:
+        """Positions the cache holds (the committed tokens before the root)."""
+
+    def rollback(self, length: int) -> None:
+        """Keep the first ``length`` positions (after a chain: drop the rejected drafts)."""
+
+    def commit_path(self, start: int, nodes: list[int]) -> None:
+        """After a tree forward that wrote n nodes from slot ``start``: keep exactly the nodes
+        ``nodes`` (indices into that forward's tokens, in order) at ``start, start + 1, ...``."""
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16``.
+@runtime_checkable
+class DecodingTarget(Protocol):
+    """A causal LM the loop verifies drafts with.
 
-    Raises:
-        ConfigError: an unknown dtype name.
-    """
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}.")
-    return DTYPES[dtype]
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``None`` -> CUDA when available, else CPU.
-
-    Raises:
-        ConfigError: an unknown device, or CUDA asked for but not available.
-    """
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"unknown device {device!r}; use cpu or cuda.") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device {device!r} is not supported; use cpu or cuda.")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for, but no CUDA device is available.")
-    return device
-
-
-def load_target(
-    name_or_path: str | Path = "gemma-3-270m",
-    *,
-    dtype: str | torch.dtype = "bfloat16",
-    device: str | torch.device | None = None,
-    progress=None,
-    weights: str | None = None,
-) -> Target:
-    """Load a target model: the alias ``gemma-3-270m``, a local HF model directory, or a ``.gguf`` file.
-
-    Args:
-        name_or_path: alias or path.
-        dtype: ``"bfloat16"`` (default), ``"float32"``, ``"float16"`` or ``"float64"``.
-        device: ``"cpu"``, ``"cuda"``, or ``None`` for CUDA when available.
-        progress: optional ``callable(str)`` told about slow steps (the first GGUF conversion).
-        weights: ``"native"`` (the GGUF's own precision on torch's packed CPU kernels),
-            ``"native-exact"``, ``"bf16"`` (dense), or ``None``: the faster on this machine, measured
-            on first load and recorded in the cache. Lossless speculation is relative to the target
-            as loaded, never to another precision.
-
-    Raises:
-        TargetLoadError: the name is unknown or the files cannot be loaded.
-        ConfigError: bad dtype, device or weights, or native weights where they cannot run.
+    Attributes:
+        name: what it was loaded by. vocab_size: V, the logits' width. eos_token_ids: tokens that
+        end generation. max_context: the most positions. device: where its tensors live. dtype:
+        its logits' dtype. final_layer: the hidden-state index of the final (normed) state.
     """
 
-    torch_dtype = resolve_dtype(dtype)
-    torch_device = resolve_device(device)
-    model, tokenizer, name = load_model_and_tokenizer(
-        str(name_or_path), dtype=torch_dtype, device=torch_device, progress=progress, weights=weights
-    )
-    return Target(model, tokenizer, name)
+    name: str
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    max_context: int
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def final_layer(self) -> int: ...
+
+    @property
+    def computes_logits_from_hidden(self) -> bool:
+        """Whether :meth:`logits_from_final_hidden` reproduces the forward's logits (then a tree's
+        verification computes the LM head only for the nodes it visits)."""
+
+    def logits_from_final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[R, H]`` final hidden states -> ``[R, V]`` logits."""
+
+    def new_cache(self) -> TargetCache:
+        """An empty cache for one generation."""
+
+    def forward(self, input_ids: torch.Tensor, cache: TargetCache, *, num_logits: int | None = None,
+                logit_rows: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
+                layout: AttentionLayout | None = None) -> TargetOutput:
+        """``input_ids [n]`` after the cached prefix (the cache grows by n): logits for the last
+        ``num_logits`` rows, or exactly ``logit_rows``; the hidden states of ``hidden_layers``;
+        ``layout`` for a tree (``None``: a causal continuation)."""
+
+    def encode(self, text: str) -> torch.Tensor:
+        """A prompt's ids ``[T]`` long, the model's special prefix (BOS) included."""
+
+    def encode_chat(self, messages) -> torch.Tensor:
+        """Chat messages through the target's template, the assistant's turn opened: ``[T]`` long."""
+
+    def decode(self, token_ids, special_tokens: bool = False) -> str:
+        """Text of token ids."""

@@ -66,7 +66,7 @@ def export_dflash(model: DFlashModel, target, out: str | Path, *, verifier: str 
 
     Args:
         model: the drafter, on ``target``.
-        target: the :class:`specwise.engine.target.Target`.
+        target: the :class:`specwise.targets.hf.Target`.
         out: the directory to write (created).
         verifier: the target's name for the runtimes (default: its Hugging Face repository when known).
         dtype: the weights' dtype.
@@ -142,7 +142,7 @@ def read_dflash(path: str | Path, target) -> DFlashModel:
 
     Args:
         path: the drafter's directory.
-        target: the :class:`specwise.engine.target.Target`.
+        target: the :class:`specwise.targets.hf.Target`.
 
     Returns:
         a :class:`DFlashModel` in the target's dtype and on its device, eval mode, frozen, ``origin`` set.

@@ -89,7 +89,7 @@ def export_eagle3(head: EagleHead, target, out: str | Path, fmt: str = "speculat
 
     Args:
         head: the head, on ``target``.
-        target: the :class:`specwise.engine.target.Target` it drafts for.
+        target: the :class:`specwise.targets.hf.Target` it drafts for.
         out: the directory to write (new or empty; created).
         fmt: ``"speculators"`` or ``"eagle3"`` (SpecForge / SGLang).
         verifier: the target's name for the runtimes (default: its Hugging Face repository when
@@ -220,7 +220,7 @@ def read_eagle3(path: str | Path, target) -> EagleHead:
 
     Args:
         path: the head's directory (``config.json`` and ``model.safetensors`` or ``pytorch_model.bin``).
-        target: the :class:`specwise.engine.target.Target` to draft for.
+        target: the :class:`specwise.targets.hf.Target` to draft for.
 
     Returns:
         an :class:`EagleHead` in the target's dtype and on its device, eval mode, frozen, with

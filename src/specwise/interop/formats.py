@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from specwise.engine.aliases import KNOWN_TARGETS
 from specwise.errors import DrafterError
+from specwise.targets.aliases import KNOWN_TARGETS
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -42,7 +42,7 @@ def export_medusa(heads: MedusaHeads, target, out: str | Path, *, verifier: str 
 
     Args:
         heads: the heads, on ``target``.
-        target: the :class:`specwise.engine.target.Target`.
+        target: the :class:`specwise.targets.hf.Target`.
         out: the directory to write (created).
         verifier: the target's name written as ``base_model_name_or_path`` (default: its name).
         dtype: the weights' dtype.
@@ -93,7 +93,7 @@ def read_medusa(path: str | Path, target) -> MedusaHeads:
 
     Args:
         path: the heads' directory.
-        target: the :class:`specwise.engine.target.Target`.
+        target: the :class:`specwise.targets.hf.Target`.
 
     Returns:
         :class:`MedusaHeads` with their own output layers, in the target's dtype and on its device,

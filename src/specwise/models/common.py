@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specwise.engine.cache import grown_capacity
 from specwise.errors import ConfigError, DrafterError
+from specwise.targets.kv_cache import grown_capacity
 
 # the gated MLPs' activations, by the names configs use (HF ``hidden_act``: gelu_pytorch_tanh = gelu_tanh)
 ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}

@@ -134,7 +134,7 @@ class DFlashModel(nn.Module):
     """The DFlash drafter network (see the module docstring).
 
     Args:
-        target: the :class:`specwise.engine.target.Target` whose features, embeddings and LM head are used.
+        target: the :class:`specwise.targets.hf.Target` whose features, embeddings and LM head are used.
         config: :class:`DFlashConfig`.
         vocab: ``[Vd]`` int64 target token ids of the draft vocabulary.
         initialize: random init with zero residual outputs (training start); ``False`` when loading.

@@ -64,7 +64,7 @@ class DraftLM(nn.Module):
     """A few target-architecture decoder layers over borrowed embeddings, predicting a draft vocabulary.
 
     Args:
-        target: the :class:`specwise.engine.target.Target` whose config, embeddings and head are used.
+        target: the :class:`specwise.targets.hf.Target` whose config, embeddings and head are used.
         config: :class:`DraftLMConfig`.
         vocab: ``[Vd]`` int64 target token ids of the draft vocabulary.
         init_from_target: copy the ``init_layers`` of the target into the draft layers (training

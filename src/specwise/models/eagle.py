@@ -85,7 +85,7 @@ class EagleHead(nn.Module):
     """An EAGLE-3 draft head for one target.
 
     Args:
-        target: the :class:`specwise.engine.target.Target` (its embeddings, LM head and hidden size).
+        target: the :class:`specwise.targets.hf.Target` (its embeddings, LM head and hidden size).
         config: :class:`EagleConfig`.
         vocab: ``[Vd]`` int64 target token ids of the draft vocabulary (the draft→target map).
         initialize: initialize the weights for training (module docstring); ``False``

@@ -70,7 +70,7 @@ class MedusaHeads(nn.Module):
     """K Medusa heads over the target's final hidden state.
 
     Args:
-        target: the :class:`specwise.engine.target.Target` whose LM-head rows are borrowed.
+        target: the :class:`specwise.targets.hf.Target` whose LM-head rows are borrowed.
         config: :class:`MedusaConfig`; ``hidden_layer=-1`` means the target's final hidden state.
         vocab: ``[Vd]`` int64 target token ids of the draft vocabulary.
 

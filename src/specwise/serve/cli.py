@@ -13,10 +13,10 @@ from pathlib import Path
 
 from specwise.drafters import METHODS
 from specwise.drafters.spec import parse_option_value
-from specwise.engine.aliases import KNOWN_TARGETS
-from specwise.engine.native.weights import WEIGHTS, WEIGHTS_HELP
-from specwise.engine.target import load_target
 from specwise.errors import ConfigError
+from specwise.targets.aliases import KNOWN_TARGETS
+from specwise.targets.hf import load_target
+from specwise.targets.native.weights import WEIGHTS, WEIGHTS_HELP
 
 try:  # the [serve] extra; without it every other command still works
     import uvicorn

@@ -141,7 +141,7 @@ def prepare(target, body, chat: bool, limits: Limits) -> Prepared:
     """Check ``body`` once, tokenize it and build its generation (tokenizes: call it off the event loop).
 
     Args:
-        target: the served :class:`specwise.engine.target.Target`.
+        target: the served :class:`specwise.targets.hf.Target`.
         body: a parsed :class:`~specwise.serve.protocol.CompletionRequest` or
             :class:`~specwise.serve.protocol.ChatRequest`.
         chat: whether ``body`` is a chat request.

@@ -170,7 +170,7 @@ class GenerationWorker:
     refuses the waiting jobs (503) and stops the running one at its next step.
 
     Args:
-        target: the loaded :class:`specwise.engine.target.Target`.
+        target: the loaded :class:`specwise.targets.hf.Target`.
         methods: the methods requests may use; their default drafters are built by :meth:`start`.
         max_queue: jobs that may wait behind the running one; beyond, :meth:`submit` refuses (503).
         time_limit_s: seconds a job may run (queueing not counted) before it is stopped.

@@ -11,12 +11,12 @@ from pathlib import Path
 from specwise.drafters.checkpoint import read_config, shipped_drafter
 from specwise.drafters.draft_model import load_draft_lm
 from specwise.drafters.export import export_drafter, resolve_export
-from specwise.engine.native.weights import WEIGHTS, WEIGHTS_HELP
-from specwise.engine.target import load_target, resolve_dtype
 from specwise.errors import ConfigError, DrafterError
 from specwise.interop.formats import prepare_out
 from specwise.models.export import export_hf
 from specwise.prompts import load_prompts
+from specwise.targets.hf import load_target, resolve_dtype
+from specwise.targets.native.weights import WEIGHTS, WEIGHTS_HELP
 from specwise.training.corpus import SHARD_GLOB, CorpusConfig, build_corpus
 from specwise.training.options import format_value, make_options, parse_value
 from specwise.training.pipeline import TrainingJob

@@ -32,9 +32,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from specwise.engine.chat import has_chat_template
 from specwise.errors import ConfigError
 from specwise.prompts import PromptRecord, is_held_out
+from specwise.targets.chat import has_chat_template
 
 SHARD_GLOB = "shard-*.safetensors"
 
@@ -106,7 +106,7 @@ def build_corpus(
     """Build (or resume) a self-distillation corpus.
 
     Args:
-        target: a :class:`specwise.engine.target.Target` (bf16 recommended; generation uses HF ``generate``).
+        target: a :class:`specwise.targets.hf.Target` (bf16 recommended; generation uses HF ``generate``).
         records: training prompts; held-out ones are dropped here.
         out_dir: the corpus directory (created; existing shards are kept and their prompts skipped).
         config: :class:`CorpusConfig`.

@@ -90,7 +90,7 @@ def extract_features(
     ``0..t`` (the last position's label is the target's prediction past the end).
 
     Args:
-        target: the frozen :class:`specwise.engine.target.Target`.
+        target: the frozen :class:`specwise.targets.hf.Target`.
         corpus_dir: a corpus directory; features are written beside its shards.
         vocab: ``[Vd]`` int64 draft vocabulary (target ids).
         config: :class:`FeatureConfig`.

@@ -49,7 +49,7 @@ class TrainingJob:
 
     Attributes:
         method: the method trained (the checkpoint's ``method``).
-        target: the frozen :class:`specwise.engine.target.Target`.
+        target: the frozen :class:`specwise.targets.hf.Target`.
         corpus: a corpus directory (:mod:`specwise.training.corpus`).
         out: the drafter directory written (its ``trainer/`` holds the resumable state).
         say: ``callable(str)`` for progress lines.

@@ -23,12 +23,12 @@ from specwise.drafters.base import METHODS
 from specwise.drafters.spec import split_spec, split_specs
 from specwise.drafters.timing import calibrate
 from specwise.engine.cost_model import expected_tokens_per_step, least_required_acceptance, optimal_num_draft_tokens
-from specwise.engine.native.weights import WEIGHTS, WEIGHTS_HELP
-from specwise.engine.target import load_target
 from specwise.engine.timing import Calibration
 from specwise.errors import ConfigError
 from specwise.lab.analysis.overlay import load_results, measured_points, mismatch_notes, predict, prediction_table
 from specwise.lab.analysis.plots import plot_speedup_vs_alpha, plot_speedup_vs_k, plot_verify_cost
+from specwise.targets.hf import load_target
+from specwise.targets.native.weights import WEIGHTS, WEIGHTS_HELP
 
 OPTIMAL_K_ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 NEEDED_SPEEDUPS = (1.2, 1.5, 2.0, 2.5, 3.0)  # columns of the "acceptance needed" table

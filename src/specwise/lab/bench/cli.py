@@ -11,9 +11,6 @@ from rich.console import Console
 
 from specwise.drafters.spec import split_spec, split_specs
 from specwise.engine.clock import machine_info
-from specwise.engine.loading import gguf_file
-from specwise.engine.native.weights import WEIGHTS, WEIGHTS_HELP
-from specwise.engine.target import load_target
 from specwise.errors import ConfigError
 from specwise.lab.bench.contenders import hf_peer_specs, parse_contender
 from specwise.lab.bench.plots import write_bench_plots
@@ -22,6 +19,9 @@ from specwise.lab.bench.report import markdown_report, rich_table
 from specwise.lab.bench.runner import run_benchmark
 from specwise.lab.bench.sweep import Sweep
 from specwise.prompts import default_prompt_records, is_held_out, load_prompts, take_per_category
+from specwise.targets.hf import load_target
+from specwise.targets.loading import gguf_file
+from specwise.targets.native.weights import WEIGHTS, WEIGHTS_HELP
 
 
 def add_bench_args(bench: argparse.ArgumentParser, default_target: str) -> None:

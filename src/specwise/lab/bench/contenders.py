@@ -14,11 +14,11 @@ from specwise.api import build_drafter, generate
 from specwise.drafters.checkpoint import is_checkpoint, shipped_drafter
 from specwise.drafters.draft_model import load_draft_lm
 from specwise.drafters.spec import split_spec
-from specwise.engine.aliases import KNOWN_TARGETS
-from specwise.engine.loading import gguf_born, gguf_file, load_model_and_tokenizer
 from specwise.errors import ConfigError, DrafterError
 from specwise.lab.bench.llamacpp import LlamaServer
 from specwise.models.export import to_hf_model
+from specwise.targets.aliases import KNOWN_TARGETS
+from specwise.targets.loading import gguf_born, gguf_file, load_model_and_tokenizer
 
 
 @dataclass

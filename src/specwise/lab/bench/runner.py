@@ -98,7 +98,7 @@ def run_benchmark(
     """Benchmark contenders on prompts, interleaved.
 
     Args:
-        target: the :class:`specwise.engine.target.Target` every contender runs on.
+        target: the :class:`specwise.targets.hf.Target` every contender runs on.
         prompts: prompt records; each is tokenized once.
         contenders: include one named ``"ar"`` to get speedups and output agreement.
         max_new_tokens: new tokens per generation.

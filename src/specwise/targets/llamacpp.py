@@ -1,0 +1,394 @@
+"""A GGUF file on llama.cpp's own engine (ggml), through llama-cpp-python's low-level API
+(ARCHITECTURE.md §9), behind the engine's target interface
+(:class:`specwise.engine.target.DecodingTarget`).
+
+- A forward is one ``llama_decode`` over the new tokens, with logits asked for exactly the rows
+  verification reads (``llama_batch.logits``) and read back in one copy.
+- A generation's cache is a range of sequence ids in one context whose KV cells are shared by all
+  sequences (``kv_unified``); sequence ``base`` holds the committed tokens. A chain is decoded in
+  it and rolled back with ``llama_memory_seq_rm``. A draft tree (or any layout, Lookahead's
+  window included) is decoded in one call with a sequence id per *sink* (a token no other token
+  sees: a tree's leaves): each token carries the ids of the sinks that see it, so two tokens see
+  each other exactly when they lie on one sink's path, and positions keep them causal. The layout
+  is checked to be representable this way before anything is decoded. After acceptance the
+  accepted path is copied into ``base`` and every branch sequence removed: sequence operations
+  only, nothing decoded again.
+- Gemma-3's sliding-window layers keep every cell (``swa_full``), so a rollback past the window
+  still finds its keys.
+- llama-cpp-python built with ggml's runtime CPU-variant dispatch (``GGML_BACKEND_DL`` with
+  ``GGML_CPU_ALL_VARIANTS``, how the project's Makefile builds it) loads no CPU backend by itself;
+  :func:`load_backends` loads the best variant for this CPU, so one wheel runs on every machine.
+- Weight repacking (``use_extra_bufts``) is off on CPUs with AMX: there llama.cpp's AMX matmul
+  crashed the process on decoding with it on (docs/llamacpp.md); elsewhere it is on.
+
+The target gives logits only, no hidden states: methods that read the target's hidden states
+(``eagle``, ``medusa``, ``dflash``) are refused with a sentence naming the torch engine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+from specwise.engine.target import AttentionLayout, TargetOutput
+from specwise.errors import ConfigError, TargetLoadError
+from specwise.targets.chat import chat_prompt_ids, check_messages, end_of_turn_ids
+
+try:  # the [llamacpp] extra
+    import llama_cpp as lc
+except ImportError:  # pragma: no cover - exercised where the extra is missing
+    lc = None
+
+#: llama.cpp's log callback that drops every message (its load logs would flood the console)
+_SILENT = lc.llama_log_callback(lambda level, text, data: None) if lc is not None else None
+
+#: sequence ids one generation may use: its committed sequence and one per sink of a tree
+SEQUENCES_PER_GENERATION = 32
+#: generations one context serves at once (each with its own range of sequence ids)
+GENERATIONS = 4
+#: tokens one ``llama_decode`` takes (a longer prompt is decoded in chunks)
+BATCH_TOKENS = 512
+
+
+def available() -> bool:
+    """Whether llama-cpp-python is installed."""
+    return lc is not None
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``'s first ``flags`` line); empty where unknown."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def repack_by_default(flags: frozenset[str] | None = None) -> bool:
+    """Whether weight repacking is safe to turn on: not on a CPU with AMX (``amx_tile``), where
+    llama.cpp's AMX matmul crashed on decoding with repacked weights."""
+    flags = cpu_flags() if flags is None else flags
+    return not any(flag.startswith("amx") for flag in flags)
+
+
+def load_backends() -> None:
+    """Load llama.cpp's CPU backend where the build loads backends dynamically: the variant that
+    suits this CPU best, from the directory the wheel installed them in. A no-op where a backend is
+    already registered (a build with the backend linked in, or a second call).
+
+    Raises:
+        TargetLoadError: llama-cpp-python is missing, or no backend could be loaded.
+    """
+    if lc is None:
+        raise TargetLoadError("the llama.cpp engine needs llama-cpp-python: pip install 'specwise[llamacpp]'.")
+    lc.llama_log_set(_SILENT, None)
+    package = Path(lc.__file__).resolve().parent
+    libggml = next((p for p in (package / "lib" / "libggml.so.0", package / "lib" / "libggml.so") if p.exists()), None)
+    if libggml is None:
+        return  # a build without the dynamic loader: its backends are linked in
+    ggml = ctypes.CDLL(str(libggml))
+    ggml.ggml_backend_reg_count.restype = ctypes.c_size_t
+    if ggml.ggml_backend_reg_count() > 0:
+        return
+    for where in (package.parent / "bin", package / "bin", package / "lib"):
+        if any(where.glob("libggml-cpu*.so")):
+            ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+            ggml.ggml_backend_load_all_from_path(str(where).encode())
+            break
+    if ggml.ggml_backend_reg_count() == 0:
+        raise TargetLoadError(f"llama.cpp found no CPU backend to load (looked next to {package}).")
+
+
+class LlamaCppCache:
+    """One generation's cache on a :class:`LlamaCppTarget`: a range of sequence ids of its context.
+
+    Attributes:
+        base: the sequence id holding the committed tokens; ``base + 1 ..`` are branch sequences.
+        length: positions held (the committed tokens before the root).
+    """
+
+    def __init__(self, target: "LlamaCppTarget", slot: int) -> None:
+        self.target, self.slot = target, slot
+        self.base = slot * SEQUENCES_PER_GENERATION
+        self.length = 0
+        self._branches: list[list[int]] | None = None  # per token of the last tree forward, its sequence ids
+        self._start = 0
+        weakref.finalize(self, target._release, slot)
+
+    def rollback(self, length: int) -> None:
+        """Keep the first ``length`` positions of the committed sequence."""
+        if length < self.length:
+            with self.target.lock:
+                lc.llama_memory_seq_rm(self.target.memory, self.base, length, -1)
+        self.length = min(self.length, length)
+
+    def commit_path(self, start: int, nodes: list[int]) -> None:
+        """Keep the last tree forward's tokens ``nodes`` (its root first) as positions ``start ..``:
+        the path is copied into the committed sequence and every branch sequence dropped."""
+        assert self._branches is not None and start == self._start, "commit_path follows a tree forward"
+        last = nodes[-1]
+        keep = self._branches[last][0]  # a sink's sequence through the whole path
+        end = start + len(nodes)
+        with self.target.lock:
+            memory = self.target.memory
+            lc.llama_memory_seq_rm(memory, keep, end, -1)  # the nodes below the path on that branch
+            lc.llama_memory_seq_cp(memory, keep, self.base, start, end)
+            used = {s for seqs in self._branches for s in seqs}
+            for seq in used:
+                lc.llama_memory_seq_rm(memory, seq, -1, -1)
+        self.length = end
+        self._branches = None
+
+
+class LlamaCppTarget:
+    """A GGUF file run by llama.cpp (see the module docstring).
+
+    Args:
+        path: the ``.gguf`` file.
+        tokenizer: its Hugging Face tokenizer (the same the torch engine uses, so both engines see
+            the same token ids), for text, chat templates and the stop strings' decoding.
+        name: what it was loaded by.
+        n_ctx: context positions (default: the model's own, as trained).
+        threads: compute threads (default: torch's, which follows ``OMP_NUM_THREADS``).
+        repack: weight repacking (``None``: :func:`repack_by_default`).
+
+    Raises:
+        TargetLoadError: llama-cpp-python is missing, or llama.cpp cannot load the file.
+    """
+
+    final_layer = 0
+    computes_logits_from_hidden = False
+    gives_hidden_states = False
+    weights = "gguf"
+    engine = "llamacpp"
+
+    def __init__(self, path: str | Path, tokenizer, name: str, *, n_ctx: int | None = None,
+                 threads: int | None = None, repack: bool | None = None) -> None:
+        load_backends()
+        self.path, self.tokenizer, self.name = Path(path), tokenizer, name
+        self.repack = repack_by_default() if repack is None else repack
+        model_params = lc.llama_model_default_params()
+        model_params.n_gpu_layers = 0
+        model_params.use_extra_bufts = self.repack
+        self.model = lc.llama_model_load_from_file(str(self.path).encode(), model_params)
+        if not self.model:
+            raise TargetLoadError(f"llama.cpp could not load {self.path}.")
+        vocab = lc.llama_model_get_vocab(self.model)
+        self.vocab_size = int(lc.llama_vocab_n_tokens(vocab))
+        self.max_context = int(min(n_ctx or 1 << 30, lc.llama_model_n_ctx_train(self.model)))
+        self.threads = int(threads or torch.get_num_threads())
+        self.ctx = lc.llama_init_from_model(self.model, self._context_params())
+        if not self.ctx:
+            raise TargetLoadError(f"llama.cpp could not make a context of {self.max_context} positions for {name}.")
+        self.memory = lc.llama_get_memory(self.ctx)
+        self.eos_token_ids = frozenset(
+            t for t in (lc.llama_vocab_eos(vocab), lc.llama_vocab_eot(vocab), tokenizer.eos_token_id)
+            if t is not None and 0 <= t < self.vocab_size)
+        self.lock = threading.Lock()  # a context decodes one batch at a time
+        self._free_slots = list(range(GENERATIONS))
+        self._batch = lc.llama_batch_init(BATCH_TOKENS, 0, SEQUENCES_PER_GENERATION)
+        self._finalizer = weakref.finalize(self, _free_native, self._batch, self.ctx, self.model)
+
+    def _context_params(self):
+        params = lc.llama_context_default_params()
+        params.n_ctx = self.max_context
+        params.n_batch = params.n_ubatch = BATCH_TOKENS
+        params.n_seq_max = GENERATIONS * SEQUENCES_PER_GENERATION
+        params.n_threads = params.n_threads_batch = self.threads
+        params.kv_unified = True
+        params.swa_full = True
+        params.no_perf = True
+        if hasattr(params, "n_outputs_max_per_seq"):
+            params.n_outputs_max_per_seq = 0  # every row of a sequence may ask for logits
+        return params
+
+    # ---------------------------------------------------------------- the interface
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def logits_from_final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise ConfigError("the llama.cpp engine computes logits only in its forward.")
+
+    def new_cache(self) -> LlamaCppCache:
+        """A cache for one generation: a free range of sequence ids, emptied.
+
+        Raises:
+            ConfigError: every range is in use (more than :data:`GENERATIONS` generations at once).
+        """
+        with self.lock:
+            if not self._free_slots:
+                raise ConfigError(f"the llama.cpp target {self.name} serves at most {GENERATIONS} generations at once.")
+            slot = self._free_slots.pop(0)
+            base = slot * SEQUENCES_PER_GENERATION
+            for seq in range(base, base + SEQUENCES_PER_GENERATION):
+                lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        return LlamaCppCache(self, slot)
+
+    def _release(self, slot: int) -> None:
+        if self._finalizer.alive:
+            with self.lock:
+                base = slot * SEQUENCES_PER_GENERATION
+                for seq in range(base, base + SEQUENCES_PER_GENERATION):
+                    lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
+                self._free_slots.append(slot)
+
+    def forward(self, input_ids: torch.Tensor, cache: LlamaCppCache, *, num_logits: int | None = None,
+                logit_rows: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
+                layout: AttentionLayout | None = None) -> TargetOutput:
+        """``input_ids [n]`` after the cached prefix, in one ``llama_decode`` (or chunks of
+        :data:`BATCH_TOKENS` for a long causal input); logits ``[R, V]`` float32 of the rows asked for.
+
+        Raises:
+            ConfigError: hidden states were asked for, or a layout no set of sequences can express.
+        """
+        if hidden_layers:
+            raise ConfigError("the llama.cpp engine gives no hidden states yet: methods that read the target's "
+                              "(eagle, medusa, dflash) run with --engine torch.")
+        tokens = input_ids.tolist()
+        n = len(tokens)
+        if logit_rows is not None:
+            rows = [int(r) for r in logit_rows]
+        else:
+            rows = list(range(n - min(num_logits or n, n), n))
+        start = cache.length
+        if layout is None:
+            seqs = [[cache.base]] * n
+            positions = list(range(start, start + n))
+            cache._branches = None
+        else:
+            seqs, positions = _sequences(layout, cache.base)
+            cache._branches, cache._start = seqs, start
+        logits = self._decode(tokens, positions, seqs, rows, cache)
+        cache.length = start + n
+        return TargetOutput(torch.from_numpy(logits), {})
+
+    def _decode(self, tokens, positions, seqs, rows, cache) -> np.ndarray:
+        wanted = sorted(set(rows))
+        flags = [False] * len(tokens)
+        for r in wanted:
+            flags[r] = True
+        if cache._branches is not None:  # a tree: its branches see the committed tokens too
+            used = sorted({s for row in seqs for s in row} - {cache.base})
+        out = np.empty((len(wanted), self.vocab_size), dtype=np.float32)
+        done = 0
+        with self.lock:
+            if cache._branches is not None:
+                for seq in used:
+                    lc.llama_memory_seq_cp(self.memory, cache.base, seq, 0, cache.length)
+            for begin in range(0, len(tokens), BATCH_TOKENS):
+                end = min(begin + BATCH_TOKENS, len(tokens))
+                if cache._branches is not None and end < len(tokens):
+                    raise ConfigError(f"a tree of {len(tokens)} tokens exceeds one decode ({BATCH_TOKENS}).")
+                self._fill(tokens[begin:end], positions[begin:end], seqs[begin:end], flags[begin:end])
+                code = lc.llama_decode(self.ctx, self._batch)
+                if code != 0:
+                    raise ConfigError(f"llama.cpp's decode failed (code {code}) on {end - begin} tokens at "
+                                      f"position {positions[begin]}.")
+                count = sum(flags[begin:end])
+                if count:
+                    pointer = lc.llama_get_logits(self.ctx)
+                    out[done: done + count] = np.ctypeslib.as_array(pointer, shape=(count, self.vocab_size))
+                    done += count
+        index = {r: i for i, r in enumerate(wanted)}
+        return out[[index[r] for r in rows]] if rows != wanted else out
+
+    def _fill(self, tokens, positions, seqs, flags) -> None:
+        batch = self._batch
+        for i, (token, position, ids, flag) in enumerate(zip(tokens, positions, seqs, flags)):
+            batch.token[i] = token
+            batch.pos[i] = position
+            batch.n_seq_id[i] = len(ids)
+            for j, seq in enumerate(ids):
+                batch.seq_id[i][j] = seq
+            batch.logits[i] = flag
+        batch.n_tokens = len(tokens)
+
+    def encode(self, text: str) -> torch.Tensor:
+        """A prompt's ids ``[T]`` long (with the model's special prefix, e.g. BOS)."""
+        return self.tokenizer(text, return_tensors="pt").input_ids[0]
+
+    @property
+    def end_of_turn_ids(self) -> frozenset[int]:
+        return end_of_turn_ids(self.tokenizer)
+
+    def encode_chat(self, messages) -> torch.Tensor:
+        """Chat messages through the target's template, the assistant's turn opened.
+
+        Raises:
+            PromptError: malformed messages, or a target without a chat template.
+        """
+        return torch.tensor(chat_prompt_ids(self.tokenizer, check_messages(messages), self.name), dtype=torch.long)
+
+    def decode(self, token_ids, special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=not special_tokens)
+
+
+def _free_native(batch, ctx, model) -> None:
+    lc.llama_batch_free(batch)
+    lc.llama_free(ctx)
+    lc.llama_model_free(model)
+
+
+def _sequences(layout: AttentionLayout, base: int) -> tuple[list[list[int]], list[int]]:
+    """Sequence ids that express ``layout`` in llama.cpp's attention (a token sees a cell iff they
+    share a sequence id and the cell's position is not after its own): one id per sink, each token
+    tagged with the sinks that see it.
+
+    Returns:
+        ``(per token its sequence ids, positions)``.
+
+    Raises:
+        ConfigError: the layout cannot be expressed so (it sees tokens its readers do not), or it
+            needs more sequences than a generation has.
+    """
+    visible = layout.visible.bool()
+    positions = layout.positions.tolist()
+    n = visible.shape[0]
+    seen_by_others = (visible & ~torch.eye(n, dtype=torch.bool)).any(dim=0)
+    sinks = (~seen_by_others).nonzero().flatten().tolist()
+    if len(sinks) >= SEQUENCES_PER_GENERATION:
+        raise ConfigError(f"a layout with {len(sinks)} branches exceeds the {SEQUENCES_PER_GENERATION - 1} sequences "
+                          "a generation has on the llama.cpp engine.")
+    seq_of = {sink: base + 1 + i for i, sink in enumerate(sinks)}
+    seqs = [[seq_of[s] for s in sinks if visible[s, j]] for j in range(n)]
+    # what llama.cpp will compute from these ids and positions must be the layout itself
+    shares = torch.tensor([[bool(set(seqs[i]) & set(seqs[j])) for j in range(n)] for i in range(n)])
+    pos = torch.tensor(positions)
+    implied = shares & (pos[None, :] <= pos[:, None])
+    if any(not row for row in seqs) or not torch.equal(implied, visible):
+        raise ConfigError("this draft layout cannot be expressed as llama.cpp sequences.")
+    return seqs, positions
+
+
+def tokenizer_of(gguf: Path):
+    """The Hugging Face tokenizer of a GGUF file, read from its metadata (no weights).
+
+    Raises:
+        TargetLoadError: transformers cannot read the file's tokenizer.
+    """
+    try:
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:  # re-raised as the user-facing error, cause chained
+        raise TargetLoadError(f"could not read the tokenizer of {gguf}: {exc}") from exc
+
+
+def threads_default() -> int:
+    """Compute threads for a new context: ``OMP_NUM_THREADS`` if set, else torch's."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return int(env) if env.isdigit() and int(env) > 0 else torch.get_num_threads()

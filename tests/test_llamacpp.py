@@ -1,0 +1,179 @@
+"""The llama.cpp engine (:mod:`specwise.targets.llamacpp`) on tiny random GGUF files the tests write
+(F32 weights, :mod:`tiny_gguf`): every method that needs no hidden states gives the engine's own
+plain-decoding tokens, trees and auxiliary tokens keep exactly the accepted path, the cache rolls
+back by sequence operations, layouts it cannot express are refused, and the AMX rule holds with the
+CPU flags mocked.
+
+The tiny model's LM head is scaled so each step's top logit stands clear of the second by far more
+than llama.cpp's batched and one-token kernels differ in F32 (:func:`tiny_gguf.write_tiny_llama`),
+so greedy equality is required token for token; each test also reports the smallest top-two gap
+it met.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import specwise
+from conftest import TREE_SHAPES, OracleDrafter, TreeOracleDrafter, block_chain_auxiliary, make_tokenizer
+from specwise.engine.target import AttentionLayout, DecodingTarget
+from specwise.errors import ConfigError, DrafterError
+
+llamacpp = pytest.importorskip("specwise.targets.llamacpp")
+if not llamacpp.available():
+    pytest.skip("llama-cpp-python is not installed (the [llamacpp] extra)", allow_module_level=True)
+
+from tiny_gguf import write_tiny_llama  # noqa: E402
+
+VOCAB = 128
+PROMPT = [5, 9, 17, 33, 9, 17, 40, 51, 9, 17, 33, 9, 60, 61]
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
+    return llamacpp.LlamaCppTarget(path, make_tokenizer(VOCAB), "tiny-llama", threads=1)
+
+
+def plain_greedy(target, prompt, count) -> tuple[list[int], float]:
+    """One-token decoding straight through the target (no loop): the tokens and the smallest
+    top-two logit gap on the way."""
+    cache = target.new_cache()
+    logits = target.forward(torch.tensor(prompt), cache, num_logits=1).logits[-1]
+    tokens, gap = [], float("inf")
+    for _ in range(count):
+        top = torch.topk(logits, 2).values
+        gap = min(gap, float(top[0] - top[1]))
+        tokens.append(int(logits.argmax()))
+        logits = target.forward(torch.tensor(tokens[-1:]), cache, num_logits=1).logits[-1]
+    return tokens, gap
+
+
+def test_it_implements_the_target_interface(target):
+    assert isinstance(target, DecodingTarget) and target.vocab_size == VOCAB and target.dtype == torch.float32
+
+
+def test_plain_decoding_through_the_loop_is_the_engines_own(target):
+    truth, gap = plain_greedy(target, PROMPT, NEW)
+    assert gap > 1e-3, f"near-tie {gap}: the tiny model's margin is too small for an exact comparison"
+    assert specwise.generate(target, PROMPT, method="ar", max_new_tokens=NEW).token_ids == truth
+
+
+@pytest.mark.parametrize("method", ["pld", "lookahead"])
+def test_training_free_methods_are_greedy_exact(target, method):
+    truth, _ = plain_greedy(target, PROMPT, NEW)
+    result = specwise.generate(target, PROMPT, method=method, max_new_tokens=NEW)
+    assert result.token_ids == truth
+
+
+@pytest.mark.parametrize("mismatch_at", [(), (3, 9, 10, 30), tuple(range(0, NEW, 2))])
+def test_chains_roll_back_after_partial_acceptance(target, mismatch_at):
+    truth, _ = plain_greedy(target, PROMPT, NEW)
+    drafter = OracleDrafter(truth, len(PROMPT), 6, mismatch_at=mismatch_at, vocab_size=VOCAB)
+    result = specwise.generate(target, PROMPT, drafter=drafter, max_new_tokens=NEW)
+    assert result.token_ids == truth
+    if not mismatch_at:
+        assert result.stats.target_forwards <= NEW // 7 + 2
+
+
+@pytest.mark.parametrize("shape", sorted(TREE_SHAPES))
+def test_trees_in_one_decode_keep_exactly_the_accepted_path(target, shape):
+    """A branch per sequence id, sibling rejection, junk subtrees, auxiliary chains beside the tree:
+    the kept cache continues exactly as plain decoding."""
+    truth, _ = plain_greedy(target, PROMPT, NEW)
+    auxiliary = block_chain_auxiliary([2, 3], [0, 4], vocab_size=VOCAB)
+    drafter = TreeOracleDrafter(truth, len(PROMPT), TREE_SHAPES[shape], mismatch_at=(7, 20), vocab_size=VOCAB,
+                                auxiliary=auxiliary)
+    assert specwise.generate(target, PROMPT, drafter=drafter, max_new_tokens=NEW).token_ids == truth
+
+
+def test_a_tree_forward_equals_one_forward_per_path(target):
+    """Every node's logits in a one-decode tree equal a plain forward of its path (brute force)."""
+    parents = [0, 0, 1, 1, 2, 4, 0]  # draft node i + 1's parent
+    tokens = torch.tensor([70, 11, 12, 13, 14, 15, 16, 17])  # node 0 = the root
+    n = tokens.numel()
+    ancestors = torch.eye(n, dtype=torch.bool)
+    depth = [0] * n
+    for node, parent in enumerate(parents, start=1):
+        ancestors[node] = ancestors[parent].clone()
+        ancestors[node, node] = True
+        depth[node] = depth[parent] + 1
+    cache = target.new_cache()
+    target.forward(torch.tensor(PROMPT), cache, num_logits=1)
+    start = cache.length
+    layout = AttentionLayout(ancestors, torch.tensor(depth) + start)
+    tree = target.forward(tokens, cache, logit_rows=torch.arange(n), layout=layout).logits
+    for node in range(n):
+        path = [int(tokens[j]) for j in range(n) if ancestors[node, j]]
+        fresh = target.new_cache()
+        alone = target.forward(torch.tensor(PROMPT + path), fresh, num_logits=1).logits[-1]
+        np.testing.assert_allclose(tree[node].numpy(), alone.numpy(), rtol=0, atol=1e-3)
+
+
+def test_a_layout_llamacpp_cannot_express_is_refused(target):
+    cache = target.new_cache()
+    target.forward(torch.tensor(PROMPT), cache, num_logits=1)
+    visible = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool)  # 2 sees 1 but not the root 0
+    layout = AttentionLayout(visible, torch.tensor([0, 1, 2]) + cache.length)
+    with pytest.raises(ConfigError, match="cannot be expressed"):
+        target.forward(torch.tensor([5, 6, 7]), cache, logit_rows=torch.arange(3), layout=layout)
+
+
+def test_hidden_states_are_refused_with_the_engine_to_use(target):
+    with pytest.raises(ConfigError, match="--engine torch"):
+        target.forward(torch.tensor(PROMPT), target.new_cache(), num_logits=1, hidden_layers=(1,))
+
+
+def test_sampling_with_a_seed_repeats(target):
+    runs = [specwise.generate(target, PROMPT, method=m, max_new_tokens=20, temperature=0.8, seed=4).token_ids
+            for m in ("pld", "pld", "ar")]
+    assert runs[0] == runs[1] and len(runs[2]) == 20
+
+
+def test_repacking_is_off_exactly_on_cpus_with_amx():
+    assert llamacpp.repack_by_default(frozenset({"avx2", "avx512f"})) is True
+    assert llamacpp.repack_by_default(frozenset({"avx512f", "amx_tile", "amx_int8", "amx_bf16"})) is False
+    assert llamacpp.repack_by_default(frozenset()) is True
+    flags = llamacpp.cpu_flags("processor : 0\nflags : fpu avx2 amx_tile\nflags : other\n")
+    assert flags == frozenset({"fpu", "avx2", "amx_tile"})
+
+
+def test_methods_that_read_hidden_states_are_refused_in_one_sentence(target):
+    for method in ("eagle", "medusa", "dflash"):
+        with pytest.raises(DrafterError, match=r"engine='torch'") as info:
+            specwise.generate(target, PROMPT, method=method, max_new_tokens=4)
+        assert "\n" not in str(info.value) and str(info.value).endswith(".")
+
+
+def test_auto_runs_the_candidates_this_engine_can(target):
+    truth, _ = plain_greedy(target, PROMPT, NEW)
+    result = specwise.generate(target, PROMPT, method="auto", max_new_tokens=NEW, remember=False)
+    assert result.token_ids == truth
+    assert {method for method, _ in result.stats.method_steps} <= {"ar", "pld", "lookahead"}
+
+
+def test_a_generation_frees_its_sequences_for_the_next(target):
+    """More generations one after another than the context has sequence ranges: each frees its own."""
+    for _ in range(llamacpp.GENERATIONS + 2):
+        assert len(specwise.generate(target, PROMPT, method="lookahead", max_new_tokens=8).token_ids) == 8
+
+
+@pytest.mark.slow
+def test_the_real_target_with_the_engines_defaults_decodes_batches_and_matches_its_ar():
+    """Gemma-3-270M's GGUF with the default settings (repacking off on AMX, where it crashed on the
+    first multi-token decode): prompt lookup verifies batches of drafts; its tokens are the engine's
+    own plain decoding up to reported near-ties (a Q4_K batched matmul rounds unlike a one-token one)."""
+    target = specwise.load_target("gemma-3-270m", engine="llamacpp")
+    ids = target.encode("def fibonacci(n):\n    if n < 2:\n        return n\n").tolist()
+    ar = specwise.generate(target, ids, method="ar", max_new_tokens=48).token_ids
+    pld = specwise.generate(target, ids, method="pld", max_new_tokens=48)
+    assert pld.stats.target_forwards < 48  # batches were decoded and drafts accepted
+    first = next((i for i, (a, b) in enumerate(zip(pld.token_ids, ar)) if a != b), None)
+    if first is not None:  # a near-tie: the two choices are the top two, close
+        logits = target.forward(torch.tensor(ids + ar[:first]), target.new_cache(), num_logits=1).logits[-1]
+        top = torch.topk(logits, 2)
+        assert {ar[first], pld.token_ids[first]} == set(top.indices.tolist())
+        assert float(top.values[0] - top.values[1]) < 0.5, f"diverged at {first} on a clear choice"

@@ -1,0 +1,61 @@
+"""Tiny random GGUF models, written by the tests themselves with the ``gguf`` package (F32 weights,
+a few hundred KB), for the llama.cpp engine's tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+
+def write_tiny_llama(path: Path, *, seed: int = 0, vocab: int = 128, hidden: int = 64, layers: int = 2,
+                     heads: int = 4, kv_heads: int = 2, ffn: int = 128, context: int = 1024,
+                     output_scale: float = 6.0) -> Path:
+    """A random Llama-shaped model with no tokenizer of its own (``no_vocab``: the tests give ids).
+
+    Args:
+        output_scale: the LM head's weights are ``N(0, output_scale / sqrt(hidden))``, so a step's top
+            logit stands clear of the second (typically by more than 0.1, against F32 rounding of ~1e-5
+            between a batched and a one-token forward): greedy choices do not flip between kernels.
+
+    Returns:
+        ``path``.
+    """
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+
+    def normal(*shape, std=0.08):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("no_vocab")
+    writer.add_tensor("token_embd.weight", normal(vocab, hidden, std=1.0))
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.attn_q.weight", normal(heads * head_dim, hidden))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", normal(kv_heads * head_dim, hidden))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", normal(kv_heads * head_dim, hidden))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", normal(hidden, heads * head_dim))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", normal(ffn, hidden))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", normal(ffn, hidden))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", normal(hidden, ffn))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    writer.add_tensor("output.weight", normal(vocab, hidden, std=output_scale / hidden ** 0.5))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
