@@ -42,7 +42,7 @@ def speculative_generate(
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with one drafter.
 
     Args:
-        target: the :class:`specwise.targets.hf.Target` (batch size 1).
+        target: a :class:`specwise.engine.target.DecodingTarget` (batch size 1), on any engine.
         drafter: a :class:`Drafter`; this generation's drafting state is what its ``start`` returns.
         prompt_ids: ``[P]`` long, P >= 1, on the target's device.
         max_new_tokens: >= 1.

@@ -161,7 +161,7 @@ def verify_proposal(target, cache: TargetCache, context: torch.Tensor, proposal:
     """Verify a proposal in one target forward and keep only the accepted path in the KV cache.
 
     Args:
-        target: the :class:`specwise.targets.hf.Target`.
+        target: a :class:`specwise.engine.target.DecodingTarget`.
         cache: the generation's KV cache, holding ``len(context) - 1`` positions.
         context: ``[T+1]`` long, committed tokens ending with the root.
         proposal: the drafter's proposal; chains are cut and trees pruned to ``budget``.
