@@ -40,6 +40,9 @@ def add_bench_args(bench: argparse.ArgumentParser, default_target: str) -> None:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
     bench.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
+    bench.add_argument("--engine", default="torch", choices=["torch", "llamacpp"],
+                       help="the engine our contenders run on (default torch); METHOD@llamacpp or METHOD@torch "
+                            "runs one contender on the other, in the same run")
     bench.add_argument("--device", default=None)
     bench.add_argument("--out", default="runs/bench")
     bench.add_argument("--llama-server", default=None, metavar="PATH",
@@ -61,9 +64,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     sweep = None
     if args.sweep:  # one contender per value, all measured side by side in the same run
         specs, sweep = Sweep.parse(args.sweep).expand(specs)
-    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress, weights=args.weights)
-    others = {w: load_target(args.target, dtype=args.dtype, device=args.device, weights=w)
-              for w in sorted({split_spec(s)[0].partition("@")[2] for s in specs} - {""})}
+    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress, weights=args.weights,
+                         engine=args.engine)
+    others = {w: _other_target(args, w) for w in sorted({split_spec(s)[0].partition("@")[2] for s in specs} - {""})}
     server = Path(args.llama_server) if args.llama_server else None
     gguf = gguf_file(args.target) if server else None
     contenders = [parse_contender(target, spec, server, gguf, others) for spec in specs]
@@ -85,6 +88,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         console.print(rich_table(result, group))
     console.print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {', '.join(p.name for p in plots)}")
     return 0
+
+
+def _other_target(args: argparse.Namespace, suffix: str):
+    """The target of the contenders named ``method@SUFFIX``: an engine (``@llamacpp``, ``@torch``) or
+    a weight form (``@bf16``, ``@native``) of the same file."""
+    if suffix in ("torch", "llamacpp"):
+        return load_target(args.target, dtype=args.dtype, device=args.device, weights=args.weights, engine=suffix)
+    return load_target(args.target, dtype=args.dtype, device=args.device, weights=suffix)
 
 
 def _bench_prompts(args: argparse.Namespace) -> list:

@@ -157,7 +157,8 @@ def parse_contender(target, spec: str, llama_server: Path | None = None, gguf: P
     """Build a contender from ``name[key=value,...]``: a specwise method (``pld[num_draft_tokens=5]``),
     an HF peer (``hf-generate``, ``hf-pld[prompt_lookup_num_tokens=10]``), or llama.cpp
     (``llamacpp``, ``llamacpp[spec-type=ngram-map-k]``, given ``llama_server`` and the ``gguf`` file).
-    A specwise method suffixed ``@WEIGHTS`` (``ar@bf16``) runs on ``targets[WEIGHTS]`` instead.
+    A specwise method suffixed ``@WEIGHTS`` (``ar@bf16``) or ``@ENGINE`` (``pld@llamacpp``) runs on
+    ``targets[suffix]`` instead.
 
     Raises:
         ConfigError: malformed spec, or llamacpp without a server or GGUF file. DrafterError:
@@ -174,6 +175,6 @@ def parse_contender(target, spec: str, llama_server: Path | None = None, gguf: P
     method, _, weights = name.partition("@")
     if weights:
         if not targets or weights not in targets:
-            raise ConfigError(f"{spec}: no target with weights {weights!r} is loaded for this run.")
+            raise ConfigError(f"{spec}: no target with weights or engine {weights!r} is loaded for this run.")
         target = targets[weights]
     return specwise_contender(target, method, label=spec, **options)

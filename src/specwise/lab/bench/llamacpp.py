@@ -3,7 +3,9 @@
 ``llamacpp`` is plain decoding; options become server flags, so ``llamacpp[spec-type=ngram-map-k]``
 is its n-gram speculation and ``llamacpp[draft=PATH]`` (``--spec-draft-model``) a draft model. The
 server is started on first use with ``--poll 0`` (its threads sleep while other contenders are
-timed) and as many threads as torch uses, and stopped at exit. Timings are the server's own:
+timed) and as many threads as torch uses, with weight repacking off on CPUs with AMX (where
+llama.cpp crashed on multi-token decodes with it on), and stopped at exit; ``command`` is the command
+line it ran. Timings are the server's own:
 ``wall_time_s`` is prefill plus decoding (as specwise's own times are), ``decode_time_s`` the
 decoding alone. Build a server with ``scripts/build-llama-server.sh``.
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from specwise.errors import ConfigError
+from specwise.targets.llamacpp import repack_by_default
 
 FLAG_ALIASES = {"draft": "spec-draft-model", "draft-max": "spec-draft-n-max"}
 
@@ -34,6 +37,7 @@ class LlamaServer:
         self.binary, self.gguf, self.flags, self.threads = Path(binary), Path(gguf), flags, threads
         self.process: subprocess.Popen | None = None
         self.port = 0
+        self.command: list[str] = []
 
     def start(self) -> None:
         if self.process is not None:
@@ -45,6 +49,9 @@ class LlamaServer:
                    "-t", str(self.threads), "-tb", str(self.threads), "--poll", "0", "-c", "4096", "-np", "1"]
         for key, value in self.flags.items():
             command += [f"--{FLAG_ALIASES.get(key, key)}", str(value)]
+        if not repack_by_default() and not {"repack", "no-repack"} & set(self.flags):
+            command.append("--no-repack")  # repacked weights crash llama.cpp's AMX matmul (docs/llamacpp.md)
+        self.command = command
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         atexit.register(self.close)
         deadline = time.monotonic() + 120
