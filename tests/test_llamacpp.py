@@ -4,7 +4,8 @@ plain-decoding tokens, trees and auxiliary tokens keep exactly the accepted path
 back by sequence operations, layouts it cannot express are refused, and the AMX rule holds with the
 CPU flags mocked.
 
-The tiny model's LM head is scaled so each step's top logit stands clear of the second by far more
+Both a Llama- and a Gemma-3-shaped model (sliding-window layers of 8 positions, which every test's
+context outgrows). The tiny models' LM head is scaled so each step's top logit stands clear of the second by far more
 than llama.cpp's batched and one-token kernels differ in F32 (:func:`tiny_gguf.write_tiny_llama`),
 so greedy equality is required token for token; each test also reports the smallest top-two gap
 it met.
@@ -25,17 +26,20 @@ llamacpp = pytest.importorskip("specwise.targets.llamacpp")
 if not llamacpp.available():
     pytest.skip("llama-cpp-python is not installed (the [llamacpp] extra)", allow_module_level=True)
 
-from tiny_gguf import write_tiny_llama  # noqa: E402
+from tiny_gguf import write_tiny_gemma3, write_tiny_llama  # noqa: E402
 
 VOCAB = 128
 PROMPT = [5, 9, 17, 33, 9, 17, 40, 51, 9, 17, 33, 9, 60, 61]
 NEW = 40
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    path = write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
-    return llamacpp.LlamaCppTarget(path, make_tokenizer(VOCAB), "tiny-llama", threads=1)
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def target(request, tmp_path_factory):
+    """A tiny Llama, and a Gemma-3 whose sliding-window layers see 8 positions: every prompt and
+    generation here runs past the window, so rollbacks reach behind it."""
+    write = write_tiny_llama if request.param == "llama" else write_tiny_gemma3
+    path = write(tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf")
+    return llamacpp.LlamaCppTarget(path, make_tokenizer(VOCAB), f"tiny-{request.param}", threads=1)
 
 
 def plain_greedy(target, prompt, count) -> tuple[list[int], float]:

@@ -59,3 +59,57 @@ def write_tiny_llama(path: Path, *, seed: int = 0, vocab: int = 128, hidden: int
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_tiny_gemma3(path: Path, *, seed: int = 0, vocab: int = 128, hidden: int = 64, layers: int = 6,
+                      heads: int = 4, kv_heads: int = 1, ffn: int = 128, context: int = 1024, sliding_window: int = 8,
+                      output_scale: float = 6.0) -> Path:
+    """A random Gemma-3-shaped model: q/k norms, post-attention and post-FFN norms, and sliding-window
+    layers (every layer but each sixth attends to the last ``sliding_window`` positions only), so a
+    context longer than the window, and a rollback past it, are exercised. LM head as in
+    :func:`write_tiny_llama` (a separate ``output`` tensor, scaled for a clear top logit).
+
+    Returns:
+        ``path``.
+    """
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+
+    def normal(*shape, std=0.08):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_sliding_window(sliding_window)
+    writer.add_vocab_size(vocab)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("no_vocab")
+    writer.add_tensor("token_embd.weight", normal(vocab, hidden, std=0.3))
+    for i in range(layers):
+        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", normal(hidden, std=0.1))
+        writer.add_tensor(f"blk.{i}.attn_q_norm.weight", normal(head_dim, std=0.1))
+        writer.add_tensor(f"blk.{i}.attn_k_norm.weight", normal(head_dim, std=0.1))
+        writer.add_tensor(f"blk.{i}.attn_q.weight", normal(heads * head_dim, hidden))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", normal(kv_heads * head_dim, hidden))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", normal(kv_heads * head_dim, hidden))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", normal(hidden, heads * head_dim))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", normal(ffn, hidden))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", normal(ffn, hidden))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", normal(hidden, ffn))
+    writer.add_tensor("output_norm.weight", normal(hidden, std=0.1))
+    writer.add_tensor("output.weight", normal(vocab, hidden, std=output_scale / hidden ** 0.5))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
