@@ -425,6 +425,7 @@ def test_options_whose_default_is_none_are_settable():
     from specwise.serve.worker import check_request_options
 
     check_request_options("dflash", {"depth": 3})
+    check_request_options("pld", {"max_ngram_size": 5, "min_ngram_size": 4})  # valid together, not alone
     check_request_options("medusa", {"tree_nodes": 4})
     check_request_options("eagle", {"lookup_trust": 0.5})
     with pytest.raises(ApiError, match="depth must be") as info:

@@ -224,3 +224,24 @@ def test_the_api_key_is_checked_before_the_body(server):
     with_key = httpx.post(url, content=b"{not json", headers={**json_type, **AUTH})
     assert with_key.status_code == 400
     assert httpx.get(f"{server.url}/health").status_code == 200  # /health and /metrics need no key
+
+
+def test_a_second_signal_stops_waiting_and_still_exits_cleanly(model_dir):
+    server = Server(model_dir, "--shutdown-grace", "5")
+    try:
+        running = Stream(server, LONG)
+        _wait_for(lambda: _health(server)["running"] == 1 and running.status == 200, "the stream to run")
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(timeout=15)
+        took = time.monotonic() - signalled
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+        server.log.close()
+    assert code == 0, Path(server.log.name).read_text()
+    assert took < 5, f"exited {took:.1f} s after the signals"
+    running.join(timeout=10)
+    assert running.error is None and running.lines[-1] == "data: [DONE]"

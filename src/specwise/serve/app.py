@@ -32,7 +32,7 @@ from specwise.serve.worker import GenerationWorker, Job
 log = logging.getLogger("specwise.serve")
 
 #: how often a non-streaming request checks whether its client is still there (s)
-_DISCONNECT_POLL_S = 0.5
+_DISCONNECT_POLL_S = 0.1
 
 
 @dataclass(frozen=True)

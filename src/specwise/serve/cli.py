@@ -107,8 +107,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, shutdown.on_signal)
     try:
         worker.run()  # generations on the main thread: torch's CPU forwards are slower on any other
-    except KeyboardInterrupt:  # a second signal: stop waiting
-        pass
     finally:
         server.should_exit = True
         http.join(timeout=args.shutdown_grace + 2)
@@ -121,7 +119,7 @@ class GracefulShutdown:
     """What SIGTERM and Ctrl-C do: the worker refuses waiting requests (503) and stops the running
     generation at its next step, so every open stream ends with an error event and ``[DONE]``;
     uvicorn stops accepting connections and gives open responses ``grace`` seconds to end. A
-    second signal stops waiting for them; a process still alive five seconds past the grace
+    second signal stops waiting for them (the exit code stays 0); a process still alive five seconds past the grace
     (a single forward longer than that) exits regardless.
 
     Args:
@@ -136,7 +134,8 @@ class GracefulShutdown:
     def on_signal(self, signum, _frame) -> None:
         """The signal handler (runs on the main thread, between two of the worker's steps)."""
         if self.requested.is_set():
-            raise KeyboardInterrupt
+            self.server.force_exit = True  # a second signal: uvicorn stops waiting for open responses
+            return
         self.requested.set()
         print(f"specwise: {signal.Signals(signum).name}: shutting down (open responses get "
               f"{self.grace:g} s)", file=sys.stderr, flush=True)

@@ -110,8 +110,10 @@ def tokenize(target, body, chat: bool) -> tuple[dict[str, Any], int]:
         ids = encode_prompt(target, body.prompt)
         return {"prompt": ids}, int(ids.numel())
     except SpecwiseError as exc:
-        hint = " Send a text prompt to /v1/completions instead." if chat and "chat template" in str(exc) else ""
-        raise ApiError(400, str(exc) + hint, "messages" if chat else "prompt") from None
+        message = str(exc)
+        if chat and "chat template" in message:  # one sentence, with where to go instead
+            message = message.rstrip(".") + "; send a text prompt to /v1/completions instead."
+        raise ApiError(400, message, "messages" if chat else "prompt") from None
 
 
 def token_budget(body, chat: bool, prompt_tokens: int, context: int, limits: Limits) -> int:

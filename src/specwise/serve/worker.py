@@ -82,14 +82,13 @@ def check_request_options(method: str, options: dict[str, Any]) -> None:
                                 f"(allowed: {listed}).", param)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_INT_OPTION:
             raise ApiError(400, f"option {key!r} is {value}; this server allows at most {MAX_INT_OPTION}.", param)
-        try:
-            METHODS.get(method).make_config(**{key: value})
-        except SpecwiseError as exc:
-            raise ApiError(400, str(exc), param) from None
     try:
         METHODS.get(method).make_config(**options)
-    except SpecwiseError as exc:  # options valid alone but not together (e.g. min_ngram_size > max_ngram_size)
-        raise ApiError(400, str(exc), "speculative.options") from None
+    except SpecwiseError as exc:
+        # the option the refusal names; several named (valid alone, not together): all of them
+        named = [key for key in options if key in str(exc)]
+        param = f"speculative.options.{named[0]}" if len(named) == 1 else "speculative.options"
+        raise ApiError(400, str(exc), param) from None
 
 
 class Stopped(Exception):
