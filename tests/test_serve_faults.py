@@ -55,6 +55,24 @@ def _wait_for(condition, what: str, timeout: float = 15.0) -> None:
         time.sleep(0.02)
 
 
+def _signal(server, *signals: int) -> tuple[int, float]:
+    """Send ``signals`` 0.1 s apart; the exit code and the seconds from the first signal to the exit."""
+    signalled = time.monotonic()
+    for i, sig in enumerate(signals):
+        if i:
+            time.sleep(0.1)
+        server.process.send_signal(sig)
+    code = server.process.wait(timeout=15)
+    return code, time.monotonic() - signalled
+
+
+def _end(server) -> None:
+    """Kill the server if it is still running, and close its log."""
+    if server.process.poll() is None:
+        server.process.kill()
+    server.log.close()
+
+
 class Stream(threading.Thread):
     """A streaming request read to its end on a thread of its own; ``lines`` are its SSE data lines."""
 
@@ -89,14 +107,9 @@ def test_sigterm_ends_every_open_stream_and_exits_within_the_grace_period(model_
         results: list[httpx.Response] = []
         waiting_plain.start()
         _wait_for(lambda: _health(server)["waiting"] == 3, "three requests to wait")
-        signalled = time.monotonic()
-        server.process.send_signal(signal.SIGTERM)
-        code = server.process.wait(timeout=15)
-        took = time.monotonic() - signalled
+        code, took = _signal(server, signal.SIGTERM)
     finally:
-        if server.process.poll() is None:
-            server.process.kill()
-        server.log.close()
+        _end(server)
     log = Path(server.log.name).read_text()
     assert code == 0, log
     assert took < 5 + 2, f"exited {took:.1f} s after SIGTERM"
@@ -231,16 +244,9 @@ def test_a_second_signal_stops_waiting_and_still_exits_cleanly(model_dir):
     try:
         running = Stream(server, LONG)
         _wait_for(lambda: _health(server)["running"] == 1 and running.status == 200, "the stream to run")
-        signalled = time.monotonic()
-        server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.1)
-        server.process.send_signal(signal.SIGTERM)
-        code = server.process.wait(timeout=15)
-        took = time.monotonic() - signalled
+        code, took = _signal(server, signal.SIGTERM, signal.SIGTERM)
     finally:
-        if server.process.poll() is None:
-            server.process.kill()
-        server.log.close()
+        _end(server)
     assert code == 0, Path(server.log.name).read_text()
     assert took < 5, f"exited {took:.1f} s after the signals"
     running.join(timeout=10)
