@@ -135,10 +135,6 @@ class Job:
     tokens: int = 0
     submitted: float = dataclasses.field(default_factory=time.monotonic)
 
-    @property
-    def cancelled(self) -> bool:
-        return self.stop_reason is not None
-
     def stop(self, reason: str) -> None:
         """Stop at the next step (the first reason given is kept)."""
         if self.stop_reason is None:

@@ -28,7 +28,6 @@ The target gives logits only, no hidden states: methods that read the target's h
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 import weakref
 from pathlib import Path
@@ -357,7 +356,7 @@ def _sequences(layout: AttentionLayout, base: int) -> tuple[list[list[int]], lis
         ConfigError: the layout cannot be expressed so (it sees tokens its readers do not), or it
             needs more sequences than a generation has.
     """
-    visible = layout.visible.bool()
+    visible = layout.visible.bool().cpu()
     positions = layout.positions.tolist()
     n = visible.shape[0]
     seen_by_others = (visible & ~torch.eye(n, dtype=torch.bool)).any(dim=0)
@@ -365,14 +364,14 @@ def _sequences(layout: AttentionLayout, base: int) -> tuple[list[list[int]], lis
     if len(sinks) >= SEQUENCES_PER_GENERATION:
         raise ConfigError(f"a layout with {len(sinks)} branches exceeds the {SEQUENCES_PER_GENERATION - 1} sequences "
                           "a generation has on the llama.cpp engine.")
-    seq_of = {sink: base + 1 + i for i, sink in enumerate(sinks)}
-    seqs = [[seq_of[s] for s in sinks if visible[s, j]] for j in range(n)]
+    member = visible[sinks].T  # shape: [n, S]; member[j, k]: sink k sees token j (j carries k's sequence)
     # what llama.cpp will compute from these ids and positions must be the layout itself
-    shares = torch.tensor([[bool(set(seqs[i]) & set(seqs[j])) for j in range(n)] for i in range(n)])
-    pos = torch.tensor(positions)
+    shares = (member.to(torch.int32) @ member.T.to(torch.int32)) > 0  # shape: [n, n]
+    pos = layout.positions.cpu()
     implied = shares & (pos[None, :] <= pos[:, None])
-    if any(not row for row in seqs) or not torch.equal(implied, visible):
+    if not bool(member.any(dim=1).all()) or not torch.equal(implied, visible):
         raise ConfigError("this draft layout cannot be expressed as llama.cpp sequences.")
+    seqs = [[base + 1 + k for k in row.nonzero().flatten().tolist()] for row in member]
     return seqs, positions
 
 
@@ -386,9 +385,3 @@ def tokenizer_of(gguf: Path):
         return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as exc:  # re-raised as the user-facing error, cause chained
         raise TargetLoadError(f"could not read the tokenizer of {gguf}: {exc}") from exc
-
-
-def threads_default() -> int:
-    """Compute threads for a new context: ``OMP_NUM_THREADS`` if set, else torch's."""
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    return int(env) if env.isdigit() and int(env) > 0 else torch.get_num_threads()
