@@ -1,6 +1,6 @@
 """The llama.cpp engine (:mod:`specwise.targets.llamacpp`) on tiny random GGUF files the tests write
-(F32 weights, :mod:`tiny_gguf`): every method that needs no hidden states gives the engine's own
-plain-decoding tokens, trees and auxiliary tokens keep exactly the accepted path, the cache rolls
+(F32 weights, :mod:`tiny_gguf`): every training-free method gives the engine's own plain-decoding
+tokens (the trained ones: ``test_llamacpp_trained.py``), trees and auxiliary tokens keep exactly the accepted path, the cache rolls
 back by sequence operations, layouts it cannot express are refused, and the AMX rule holds with the
 CPU flags mocked.
 
@@ -20,7 +20,7 @@ import torch
 import specwise
 from conftest import TREE_SHAPES, OracleDrafter, TreeOracleDrafter, block_chain_auxiliary, make_tokenizer
 from specwise.engine.target import AttentionLayout, DecodingTarget
-from specwise.errors import ConfigError, DrafterError
+from specwise.errors import ConfigError
 
 llamacpp = pytest.importorskip("specwise.targets.llamacpp")
 if not llamacpp.available():
@@ -126,11 +126,6 @@ def test_a_layout_llamacpp_cannot_express_is_refused(target):
         target.forward(torch.tensor([5, 6, 7]), cache, logit_rows=torch.arange(3), layout=layout)
 
 
-def test_hidden_states_are_refused_with_the_engine_to_use(target):
-    with pytest.raises(ConfigError, match="--engine torch"):
-        target.forward(torch.tensor(PROMPT), target.new_cache(), num_logits=1, hidden_layers=(1,))
-
-
 def test_sampling_with_a_seed_repeats(target):
     runs = [specwise.generate(target, PROMPT, method=m, max_new_tokens=20, temperature=0.8, seed=4).token_ids
             for m in ("pld", "pld", "ar")]
@@ -143,13 +138,6 @@ def test_repacking_is_off_exactly_on_cpus_with_amx():
     assert llamacpp.repack_by_default(frozenset()) is True
     flags = llamacpp.cpu_flags("processor : 0\nflags : fpu avx2 amx_tile\nflags : other\n")
     assert flags == frozenset({"fpu", "avx2", "amx_tile"})
-
-
-def test_methods_that_read_hidden_states_are_refused_in_one_sentence(target):
-    for method in ("eagle", "medusa", "dflash"):
-        with pytest.raises(DrafterError, match=r"engine='torch'") as info:
-            specwise.generate(target, PROMPT, method=method, max_new_tokens=4)
-        assert "\n" not in str(info.value) and str(info.value).endswith(".")
 
 
 def test_auto_runs_the_candidates_this_engine_can(target):

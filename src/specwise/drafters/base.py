@@ -49,8 +49,8 @@ def loaded_once(target, key: tuple, load: Callable[[], Any]) -> Any:
 
 def check_engine(target, drafter) -> None:
     """Refuse a drafter (a built one, or its class before it loads anything) that reads the target's
-    hidden states on a target whose engine gives none (``target.gives_hidden_states`` false: the
-    llama.cpp engine today).
+    hidden states on a target whose engine gives none (``target.gives_hidden_states`` false; both
+    engines give them).
 
     Raises:
         DrafterError: one sentence naming the engine that runs the method.
@@ -58,7 +58,7 @@ def check_engine(target, drafter) -> None:
     reads = getattr(drafter, "reads_hidden_states", False) or bool(getattr(drafter, "target_hidden_layers", ()))
     if reads and not getattr(target, "gives_hidden_states", True):
         raise DrafterError(f"method {drafter.method!r} reads the target's hidden states, which the "
-                           f"{getattr(target, 'engine', 'target')} engine does not give yet; load the target with "
+                           f"{getattr(target, 'engine', 'target')} engine does not give; load the target with "
                            "engine='torch' (--engine torch) for it.")
 
 

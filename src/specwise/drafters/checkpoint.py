@@ -41,15 +41,8 @@ def target_fingerprint(target) -> str:
 
     Returns:
         16 hex characters.
-
-    Raises:
-        DrafterError: the target has no Hugging Face model to read (a target on another engine:
-            specwise's trained drafters run on the torch engine's target).
     """
-    if not hasattr(target, "model") or not hasattr(target.model, "config"):
-        raise DrafterError(f"specwise's trained drafters run on the torch engine; {target.name} runs on "
-                           f"{getattr(target, 'engine', 'another')} (load it with engine='torch').")
-    config = target.model.config.get_text_config()
+    config = target.text_config
     shape = {key: getattr(config, key, None) for key in _FINGERPRINT_KEYS}
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
     digest.update(str(target.vocab_size).encode())

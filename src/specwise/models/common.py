@@ -100,13 +100,17 @@ def check_taps_and_vocabulary(target, feature_layers: tuple[int, ...], vocab: to
         size: the draft vocabulary size the drafter's config says.
 
     Raises:
-        ConfigError: a feature layer outside the target's hidden states.
+        ConfigError: a feature layer outside the target's hidden states, or the final one on an
+            engine that gives it only at the logit rows.
         DrafterError: the vocabulary table does not match ``size`` or the target.
     """
-    num_layers = int(target.model.config.get_text_config().num_hidden_layers)
+    num_layers = int(target.text_config.num_hidden_layers)
     bad = [i for i in feature_layers if not 0 <= i <= num_layers]
     if bad:
         raise ConfigError(f"feature layer {bad[0]} is outside the target's hidden states 0..{num_layers}.")
+    if num_layers in feature_layers and getattr(target, "final_hidden_rows_only", False):
+        raise ConfigError(f"feature layer {num_layers} is the final hidden state, which the {target.engine} engine "
+                          f"gives only where it computes logits; pick layers below {num_layers}.")
     if vocab.numel() != size:
         raise DrafterError(f"draft vocabulary has {vocab.numel()} ids but the config says {size}.")
     if int(vocab.max()) >= target.vocab_size or int(vocab.min()) < 0:
@@ -145,8 +149,7 @@ class Borrowed:
     @staticmethod
     def from_target(target, vocab: torch.Tensor) -> "Borrowed":
         """``vocab``: ``[Vd]`` int64 target token ids."""
-        head = target.model.get_output_embeddings().weight
-        return Borrowed(target.model.get_input_embeddings(), head[vocab.to(head.device)].detach())
+        return Borrowed(target.input_embeddings(), target.output_rows(vocab))
 
 
 class HeadCache:

@@ -146,7 +146,7 @@ class DFlashModel(nn.Module):
 
     def __init__(self, target, config: DFlashConfig, vocab: torch.Tensor, initialize: bool = True) -> None:
         super().__init__()
-        text_config = target.model.config.get_text_config()
+        text_config = target.text_config
         hidden = int(text_config.hidden_size)
         check_taps_and_vocabulary(target, config.feature_layers, vocab, config.draft_vocab_size)
         self.config = config

@@ -76,6 +76,10 @@ class DraftLM(nn.Module):
 
     def __init__(self, target, config: DraftLMConfig, vocab: torch.Tensor, init_from_target: bool = True) -> None:
         super().__init__()
+        if not hasattr(target, "model"):
+            raise DrafterError(f"a trained draft LM shares the target's torch decoder layers; {target.name} runs on "
+                               f"the {getattr(target, 'engine', 'other')} engine (load it with engine='torch', or "
+                               "give method 'draft' a draft model file).")
         decoder = target.model.get_decoder()
         if not hasattr(decoder, "layers") or not hasattr(decoder, "norm"):
             raise DrafterError(f"{target.name}'s decoder has no `layers` / `norm`; a draft LM cannot be built from it.")

@@ -98,7 +98,7 @@ class EagleHead(nn.Module):
 
     def __init__(self, target, config: EagleConfig, vocab: torch.Tensor, initialize: bool = True) -> None:
         super().__init__()
-        text_config = target.model.config.get_text_config()
+        text_config = target.text_config
         hidden = int(text_config.hidden_size)
         check_taps_and_vocabulary(target, config.feature_layers, vocab, config.draft_vocab_size)
         self.config = config
@@ -126,7 +126,7 @@ class EagleHead(nn.Module):
         self.register_buffer("vocab", vocab.clone().long(), persistent=False)  # shape: [Vd]
         self._borrowed = Borrowed.from_target(target, vocab)
         # an imported head may bring its own embeddings and output layer (they are then stored)
-        rows = int(getattr(target.model.get_input_embeddings(), "num_embeddings", target.vocab_size))
+        rows = int(getattr(target.input_embeddings(), "num_embeddings", target.vocab_size))
         self.embed_tokens = nn.Embedding(rows, hidden) if config.own_embeddings else None
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False) if config.own_lm_head else None
         self.origin: str | None = None  # the public format it was imported from (specwise.interop), if any

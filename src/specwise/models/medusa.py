@@ -50,7 +50,7 @@ class MedusaConfig:
 
 def final_hidden_layer(target) -> int:
     """HF ``hidden_states`` index of ``target``'s final hidden state (after its final norm)."""
-    return int(target.model.config.get_text_config().num_hidden_layers)
+    return int(target.text_config.num_hidden_layers)
 
 
 class ResBlock(nn.Module):
@@ -90,14 +90,14 @@ class MedusaHeads(nn.Module):
         if vocab.numel() != config.draft_vocab_size:
             raise DrafterError(f"draft vocabulary has {vocab.numel()} ids but the config says {config.draft_vocab_size}.")
         self.config = config
-        hidden_size = int(target.model.config.get_text_config().hidden_size)
+        hidden_size = int(target.text_config.hidden_size)
         self.heads = nn.ModuleList(
             nn.Sequential(*[ResBlock(hidden_size) for _ in range(config.num_layers)]) for _ in range(config.num_heads))
         # per-dimension RMS of the target's final hidden state over the training corpus (set_scale)
         self.register_buffer("scale", torch.ones(hidden_size))  # shape: [H]
         self.register_buffer("vocab", vocab.clone().long(), persistent=False)  # shape: [Vd]
         # imported heads bring their own output layers: nothing to borrow but the (unused) embeddings
-        self._borrowed = Borrowed(target.model.get_input_embeddings(), torch.empty(0, hidden_size)) \
+        self._borrowed = Borrowed(target.input_embeddings(), torch.empty(0, hidden_size)) \
             if config.own_lm_heads else Borrowed.from_target(target, vocab)
         self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, config.draft_vocab_size, bias=False)
                                       for _ in range(config.num_heads)) if config.own_lm_heads else None

@@ -17,8 +17,9 @@ from specwise.engine.target import AttentionLayout, TargetOutput
 from specwise.engine.tree import additive_attention_mask
 from specwise.errors import ConfigError
 from specwise.targets.chat import chat_prompt_ids, check_messages, end_of_turn_ids
+from specwise.targets.gguf_parts import tokenizer_of
 from specwise.targets.kv_cache import KVCache
-from specwise.targets.llamacpp import LlamaCppTarget, tokenizer_of
+from specwise.targets.llamacpp import LlamaCppTarget
 from specwise.targets.loading import gguf_file, load_model_and_tokenizer
 from specwise.targets.native.weights import weights_of
 
@@ -66,6 +67,20 @@ class Target:
     def final_layer(self) -> int:
         """HF ``hidden_states`` index of the final hidden state (after the final norm): the layer count L."""
         return int(self.model.config.get_text_config().num_hidden_layers)
+
+    @property
+    def text_config(self):
+        """The model's Hugging Face text config."""
+        return self.model.config.get_text_config()
+
+    def input_embeddings(self):
+        """The model's input embedding module: ``[...]`` long ids -> ``[..., H]`` (model dtype)."""
+        return self.model.get_input_embeddings()
+
+    def output_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's rows of ``token_ids [R]`` long: ``[R, H]`` (model dtype), detached."""
+        head = self.model.get_output_embeddings().weight
+        return head[token_ids.to(head.device)].detach()
 
     @torch.inference_mode()
     def logits_from_final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:

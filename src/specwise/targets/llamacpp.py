@@ -21,8 +21,17 @@
 - Weight repacking (``use_extra_bufts``) is off on CPUs with AMX: there llama.cpp's AMX matmul
   crashed the process on decoding with it on (docs/llamacpp.md); elsewhere it is on.
 
-The target gives logits only, no hidden states: methods that read the target's hidden states
-(``eagle``, ``medusa``, ``dflash``) are refused with a sentence naming the torch engine.
+- Hidden states come from llama.cpp's graph evaluation callback (``cb_eval``): asked for a
+  decode's taps, it names the graph tensors wanted (HF ``hidden_states[i]`` is ggml's
+  ``l_out-(i-1)``, the final normed state is ``result_norm``) and copies them out as the graph
+  reaches them; with no taps wanted it declines every tensor, so the graph runs unsplit. ggml
+  computes the final layer only for the rows logits were asked for, so the final hidden state
+  exists for those rows only; the other rows are NaN (verification asks for every row it keeps,
+  and a drafter that needs the final state at every position is refused,
+  :attr:`LlamaCppTarget.final_hidden_rows_only`). Index 0, the input embeddings, is computed from
+  the file's embedding table.
+- What a trained drafter borrows (model config, token embedding, LM-head rows) is read from the
+  GGUF file (:mod:`specwise.targets.gguf_parts`).
 """
 
 from __future__ import annotations
@@ -30,15 +39,16 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer
 
 from specwise.engine.target import AttentionLayout, TargetOutput
 from specwise.errors import ConfigError, TargetLoadError
 from specwise.targets.chat import chat_prompt_ids, check_messages, end_of_turn_ids
+from specwise.targets.gguf_parts import GGUFParts
 
 try:  # the [llamacpp] extra
     import llama_cpp as lc
@@ -54,6 +64,8 @@ SEQUENCES_PER_GENERATION = 32
 GENERATIONS = 4
 #: tokens one ``llama_decode`` takes (a longer prompt is decoded in chunks)
 BATCH_TOKENS = 512
+#: ggml's name of the final normed hidden state (the LM head's input)
+FINAL_NORM = b"result_norm"
 
 
 def available() -> bool:
@@ -107,6 +119,62 @@ def load_backends() -> None:
             break
     if ggml.ggml_backend_reg_count() == 0:
         raise TargetLoadError(f"llama.cpp found no CPU backend to load (looked next to {package}).")
+
+
+def _ggml_base():
+    """ggml's base library with the three functions the taps call, typed."""
+    package = Path(lc.__file__).resolve().parent
+    path = next((p for p in (package / "lib" / "libggml-base.so.0", package / "lib" / "libggml-base.so")
+                 if p.exists()), None)
+    if path is None:
+        raise TargetLoadError(f"llama-cpp-python has no ggml-base library next to {package}: no hidden states.")
+    base = ctypes.CDLL(str(path))
+    base.ggml_get_name.restype = ctypes.c_char_p
+    base.ggml_get_name.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    return base
+
+
+#: byte offsets in ``struct ggml_tensor``: ``enum ggml_type type`` at 0, ``int64_t ne[4]`` at 16
+_TYPE_OFFSET, _NE_OFFSET, _GGML_F32 = 0, 16, 0
+
+
+class Taps:
+    """The context's graph evaluation callback: copies the tensors one decode asks for.
+
+    Attributes:
+        wanted: ggml tensor name -> HF hidden-state index, for the decode under way (empty: none).
+        got: HF index -> the ``[rows, H]`` float32 arrays copied, in graph order.
+    """
+
+    def __init__(self) -> None:
+        self.wanted: dict[bytes, int] = {}
+        self.got: dict[int, list[np.ndarray]] = {}
+        self._base = None
+        self.callback = lc.ggml_backend_sched_eval_callback(self._call)
+
+    def ask(self, wanted: dict[bytes, int]) -> None:
+        """Ask the next decodes for ``wanted`` (``{}``: none), dropping what was copied."""
+        if wanted and self._base is None:
+            self._base = _ggml_base()
+        self.wanted = wanted
+        self.got = {layer: [] for layer in wanted.values()}
+
+    def _call(self, tensor, ask, user_data) -> bool:
+        if not self.wanted:
+            return False  # nothing wanted: no tensor is kept, so the graph is not split
+        layer = self.wanted.get(self._base.ggml_get_name(tensor))
+        if layer is None:
+            return False
+        if ask:
+            return True
+        if ctypes.c_int.from_address(tensor + _TYPE_OFFSET).value != _GGML_F32:
+            raise RuntimeError("a tapped hidden state is not float32")  # ggml's activations are; cannot happen
+        ne = (ctypes.c_int64 * 4).from_address(tensor + _NE_OFFSET)
+        out = np.empty((ne[1], ne[0]), dtype=np.float32)
+        self._base.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
+        self.got[layer].append(out)
+        return True  # go on computing
 
 
 class LlamaCppCache:
@@ -166,9 +234,10 @@ class LlamaCppTarget:
         TargetLoadError: llama-cpp-python is missing, or llama.cpp cannot load the file.
     """
 
-    final_layer = 0
     computes_logits_from_hidden = False
-    gives_hidden_states = False
+    gives_hidden_states = True
+    #: the final hidden state exists only at the rows logits were asked for (see the module docstring)
+    final_hidden_rows_only = True
     weights = "gguf"
     engine = "llamacpp"
 
@@ -187,6 +256,9 @@ class LlamaCppTarget:
         self.vocab_size = int(lc.llama_vocab_n_tokens(vocab))
         self.max_context = int(min(n_ctx or 1 << 30, lc.llama_model_n_ctx_train(self.model)))
         self.threads = int(threads or torch.get_num_threads())
+        self.num_layers = int(lc.llama_model_n_layer(self.model))
+        self.hidden_size = int(lc.llama_model_n_embd(self.model))
+        self._taps = Taps()
         self.ctx = lc.llama_init_from_model(self.model, self._context_params())
         if not self.ctx:
             raise TargetLoadError(f"llama.cpp could not make a context of {self.max_context} positions for {name}.")
@@ -208,6 +280,7 @@ class LlamaCppTarget:
         params.kv_unified = True
         params.swa_full = True
         params.no_perf = True
+        params.cb_eval = self._taps.callback
         if hasattr(params, "n_outputs_max_per_seq"):
             params.n_outputs_max_per_seq = 0  # every row of a sequence may ask for logits
         return params
@@ -220,6 +293,38 @@ class LlamaCppTarget:
     @property
     def dtype(self) -> torch.dtype:
         return torch.float32
+
+    @property
+    def final_layer(self) -> int:
+        """HF ``hidden_states`` index of the final (normed) hidden state: the layer count L."""
+        return self.num_layers
+
+    @cached_property
+    def _parts(self) -> GGUFParts:
+        return GGUFParts(self.path)
+
+    @property
+    def text_config(self):
+        """The model's Hugging Face text config (read from the GGUF file's metadata)."""
+        return self._parts.text_config
+
+    def input_embeddings(self):
+        """The token embedding as a module: ``[...]`` long ids -> ``[..., H]`` float32 (read from the file)."""
+        return self._parts.embeddings
+
+    def output_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's rows of ``token_ids [R]`` long: ``[R, H]`` float32 (read from the file)."""
+        return self._parts.output_rows(token_ids)
+
+    def _tap_names(self, hidden_layers: tuple[int, ...]) -> dict[bytes, int]:
+        names = {}
+        for layer in hidden_layers:
+            if not 0 <= layer <= self.num_layers:
+                raise ConfigError(f"{self.name} has hidden states 0..{self.num_layers}, not {layer}.")
+            if layer == 0:
+                continue  # the input embeddings: read from the file, not tapped
+            names[FINAL_NORM if layer == self.num_layers else f"l_out-{layer - 1}".encode()] = layer
+        return names
 
     def logits_from_final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         raise ConfigError("the llama.cpp engine computes logits only in its forward.")
@@ -253,12 +358,13 @@ class LlamaCppTarget:
         """``input_ids [n]`` after the cached prefix, in one ``llama_decode`` (or chunks of
         :data:`BATCH_TOKENS` for a long causal input); logits ``[R, V]`` float32 of the rows asked for.
 
+        ``hidden_layers`` (HF indexing, 0..L) come back ``[n, H]`` float32; the final layer's rows
+        outside the logit rows are NaN (ggml does not compute them).
+
         Raises:
-            ConfigError: hidden states were asked for, or a layout no set of sequences can express.
+            ConfigError: a hidden layer outside 0..L, or a layout no set of sequences can express.
         """
-        if hidden_layers:
-            raise ConfigError("the llama.cpp engine gives no hidden states yet: methods that read the target's "
-                              "(eagle, medusa, dflash) run with --engine torch.")
+        taps = self._tap_names(hidden_layers) if hidden_layers else {}
         tokens = input_ids.tolist()
         n = len(tokens)
         if logit_rows is not None:
@@ -273,11 +379,13 @@ class LlamaCppTarget:
         else:
             seqs, positions = _sequences(layout, cache.base)
             cache._branches, cache._start = seqs, start
-        logits = self._decode(tokens, positions, seqs, rows, cache)
+        logits, hidden = self._decode(tokens, positions, seqs, rows, cache, taps)
+        if 0 in hidden_layers:
+            hidden[0] = self.input_embeddings()(input_ids.cpu())
         cache.length = start + n
-        return TargetOutput(torch.from_numpy(logits), {})
+        return TargetOutput(torch.from_numpy(logits), hidden)
 
-    def _decode(self, tokens, positions, seqs, rows, cache) -> np.ndarray:
+    def _decode(self, tokens, positions, seqs, rows, cache, taps) -> tuple[np.ndarray, dict[int, torch.Tensor]]:
         wanted = sorted(set(rows))
         flags = [False] * len(tokens)
         for r in wanted:
@@ -287,6 +395,7 @@ class LlamaCppTarget:
         out = np.empty((len(wanted), self.vocab_size), dtype=np.float32)
         done = 0
         with self.lock:
+            self._taps.ask(taps)
             if cache._branches is not None:
                 for seq in used:
                     lc.llama_memory_seq_cp(self.memory, cache.base, seq, 0, cache.length)
@@ -304,8 +413,21 @@ class LlamaCppTarget:
                     pointer = lc.llama_get_logits(self.ctx)
                     out[done: done + count] = np.ctypeslib.as_array(pointer, shape=(count, self.vocab_size))
                     done += count
+            got = self._taps.got
+            self._taps.ask({})
         index = {r: i for i, r in enumerate(wanted)}
-        return out[[index[r] for r in rows]] if rows != wanted else out
+        hidden = {layer: self._hidden_rows(layer, got[layer], len(tokens), wanted) for layer in taps.values()}
+        return (out[[index[r] for r in rows]] if rows != wanted else out), hidden
+
+    def _hidden_rows(self, layer: int, pieces: list[np.ndarray], n: int, wanted: list[int]) -> torch.Tensor:
+        """One tapped layer's ``[n, H]`` from its pieces (one per decoded chunk; the final layer's
+        pieces hold the logit rows only)."""
+        values = torch.from_numpy(np.concatenate(pieces)) if pieces else torch.empty(0, self.hidden_size)
+        if layer != self.num_layers:
+            return values
+        full = torch.full((n, self.hidden_size), float("nan"))
+        full[wanted] = values
+        return full
 
     def _fill(self, tokens, positions, seqs, flags) -> None:
         batch = self._batch
@@ -373,15 +495,3 @@ def _sequences(layout: AttentionLayout, base: int) -> tuple[list[list[int]], lis
         raise ConfigError("this draft layout cannot be expressed as llama.cpp sequences.")
     seqs = [[base + 1 + k for k in row.nonzero().flatten().tolist()] for row in member]
     return seqs, positions
-
-
-def tokenizer_of(gguf: Path):
-    """The Hugging Face tokenizer of a GGUF file, read from its metadata (no weights).
-
-    Raises:
-        TargetLoadError: transformers cannot read the file's tokenizer.
-    """
-    try:
-        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except Exception as exc:  # re-raised as the user-facing error, cause chained
-        raise TargetLoadError(f"could not read the tokenizer of {gguf}: {exc}") from exc
