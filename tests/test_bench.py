@@ -320,3 +320,15 @@ def test_report_says_what_auto_chose():
     auto = Summary(contender="auto", steps_by_method={"eagle": 30, "pld": 10}, **row)
     plain = Summary(contender="pld", steps_by_method={"pld": 40}, **row)
     assert _choice_lines([plain, auto]) == ["`auto` chose: `eagle` 75%, `pld` 25% of its verification steps.", ""]
+
+
+def test_the_peer_keeps_weight_repacking_where_its_build_left_the_amx_kernels_out(tmp_path):
+    from specwise.lab.bench.llamacpp import built_without_amx
+
+    binary = tmp_path / "llama-server"
+    binary.write_text("")
+    assert not built_without_amx(binary)  # no record of the build: assume the AMX kernels are in
+    (tmp_path / "llama-server.build").write_text("llama.cpp 11434.0.0, cmake -DGGML_NATIVE=OFF -DGGML_AMX_INT8=OFF\n")
+    assert built_without_amx(binary)
+    (tmp_path / "llama-server.build").write_text("llama.cpp 11434.0.0, cmake -DGGML_NATIVE=ON\n")
+    assert not built_without_amx(binary)

@@ -28,6 +28,14 @@ from specwise.targets.llamacpp import repack_by_default
 FLAG_ALIASES = {"draft": "spec-draft-model", "draft-max": "spec-draft-n-max"}
 
 
+def built_without_amx(binary: Path) -> bool:
+    """Whether ``binary`` was built with llama.cpp's AMX kernels left out, as the flags
+    ``scripts/build-llama-server.sh`` writes beside it (``llama-server.build``) say: then weight
+    repacking, the server's fastest setting, cannot reach the AMX matmul that crashed."""
+    record = Path(f"{binary}.build")
+    return record.exists() and "-DGGML_AMX_INT8=OFF" in record.read_text()
+
+
 class LlamaServer:
     """One running ``llama-server`` process (started lazily, stopped by :meth:`close` or at exit)."""
 
@@ -49,7 +57,7 @@ class LlamaServer:
                    "-t", str(self.threads), "-tb", str(self.threads), "--poll", "0", "-c", "4096", "-np", "1"]
         for key, value in self.flags.items():
             command += [f"--{FLAG_ALIASES.get(key, key)}", str(value)]
-        if not repack_by_default() and not {"repack", "no-repack"} & set(self.flags):
+        if not repack_by_default() and not built_without_amx(self.binary) and not {"repack", "no-repack"} & set(self.flags):
             command.append("--no-repack")  # repacked weights crash llama.cpp's AMX matmul (docs/llamacpp.md)
         self.command = command
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
