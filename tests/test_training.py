@@ -499,7 +499,9 @@ def test_cli_builds_trains_and_generates_end_to_end(tmp_path):
     # continued training labels its features with the starting drafter's vocabulary, in their own directory
     assert any(p.name.startswith("features-taps-0-1-2-vocab-") for p in (tmp_path / "corpus").iterdir())
     before, after = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("eagle", "eagle2"))
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)  # lr ~ 0
+    # lr ~ 0: unchanged up to a step of ~1e-12 on weights that start at exactly 0 (stored in bf16)
+    assert before.keys() == after.keys() and all(torch.allclose(before[k].float(), after[k].float(), atol=1e-9, rtol=0)
+                                                 for k in before)
     record = json.loads((tmp_path / "eagle2" / "config.json").read_text())["recipe"]
     assert record["init_from"]["path"] == str(tmp_path / "eagle") and record["init_from"]["recipe"]["steps"] == 3
     generated = run("generate", *common, "--method", "eagle", "--drafter", str(tmp_path / "eagle"), "--json",
