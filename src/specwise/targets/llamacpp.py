@@ -362,7 +362,8 @@ class LlamaCppTarget:
         outside the logit rows are NaN (ggml does not compute them).
 
         Raises:
-            ConfigError: a hidden layer outside 0..L, or a layout no set of sequences can express.
+            ConfigError: a hidden layer outside 0..L, one the graph did not give (an architecture
+                that names its layers otherwise), or a layout no set of sequences can express.
         """
         taps = self._tap_names(hidden_layers) if hidden_layers else {}
         tokens = input_ids.tolist()
@@ -423,6 +424,10 @@ class LlamaCppTarget:
         """One tapped layer's ``[n, H]`` from its pieces (one per decoded chunk; the final layer's
         pieces hold the logit rows only)."""
         values = torch.from_numpy(np.concatenate(pieces)) if pieces else torch.empty(0, self.hidden_size)
+        expected = n if layer != self.num_layers else len(wanted)
+        if values.shape != (expected, self.hidden_size):
+            raise ConfigError(f"llama.cpp's graph of {self.name} gave {tuple(values.shape)} for hidden state {layer}, "
+                              f"not {(expected, self.hidden_size)}: this architecture names its layers otherwise.")
         if layer != self.num_layers:
             return values
         full = torch.full((n, self.hidden_size), float("nan"))
