@@ -147,6 +147,37 @@ def test_auto_runs_the_candidates_this_engine_can(target):
     assert {method for method, _ in result.stats.method_steps} <= {"ar", "pld", "lookahead"}
 
 
+@pytest.mark.parametrize("draft_file", ["same", "other"])
+def test_a_draft_model_in_a_second_context_is_greedy_exact(target, tmp_path, draft_file):
+    """``draft`` on llama.cpp: the draft model is a second context. Drafting with the target's own
+    file accepts every draft; another model's drafts are mostly rejected; the tokens are the engine's."""
+    from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter
+
+    path = target.path if draft_file == "same" else write_tiny_llama(tmp_path / "draft.gguf", seed=3, layers=1)
+    draft = llamacpp.LlamaCppTarget(path, make_tokenizer(VOCAB), "tiny-draft", threads=1)
+    truth, _ = plain_greedy(target, PROMPT, NEW)
+    config = DraftModelConfig(num_draft_tokens=4, confidence_threshold=0.0)
+    result = specwise.generate(target, PROMPT, drafter=DraftModelDrafter(target, config, draft_model=draft),
+                               max_new_tokens=NEW)
+    assert result.token_ids == truth
+    assert result.stats.drafted_tokens > 0
+    if draft_file == "same":
+        assert result.stats.accepted_tokens == result.stats.drafted_tokens
+
+
+def test_a_draft_model_of_another_vocabulary_or_engine_is_refused(target, tmp_path):
+    from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter
+    from specwise.errors import DrafterError
+    from specwise.models.draft_lm import DraftLM, DraftLMConfig
+
+    other = llamacpp.LlamaCppTarget(write_tiny_llama(tmp_path / "d.gguf", vocab=96, layers=1), make_tokenizer(96),
+                                    "tiny-96", threads=1)
+    with pytest.raises(DrafterError, match="vocabulary of 96 tokens"):
+        DraftModelDrafter(target, DraftModelConfig(), draft_model=other)
+    with pytest.raises(DrafterError, match="shares the target's torch decoder layers"):
+        DraftLM(target, DraftLMConfig(init_layers=(0,), draft_vocab_size=8), torch.arange(8))
+
+
 def test_a_generation_frees_its_sequences_for_the_next(target):
     """More generations one after another than the context has sequence ranges: each frees its own."""
     for _ in range(llamacpp.GENERATIONS + 2):

@@ -73,7 +73,7 @@ def _eagle(target, min_path_prob: float = 0.0, lookup_tokens: int = 0, draft_sam
 
     torch.manual_seed(5)
     config = EagleConfig(feature_layers=(0, 2), draft_vocab_size=6, num_heads=2, head_dim=8, intermediate_size=16)
-    head = EagleHead(target, config, torch.tensor([4, 3, 5, 6, 0, 2])).double()
+    head = EagleHead(target, config, torch.tensor([4, 3, 5, 6, 0, 2])).to(target.dtype)
     config = EagleDrafterConfig(depth=2, tree_top_k=2, total_tokens=4, min_path_prob=min_path_prob,
                                 lookup_tokens=lookup_tokens, lookup_min_ngram=1, draft_sampling=draft_sampling)
     return EagleDrafter(target, config, head=head.eval().requires_grad_(False))
@@ -87,7 +87,7 @@ def _medusa(target, acceptance: str = "exact", min_path_prob: float = 0.0, draft
     from specwise.models.medusa import MedusaConfig, MedusaHeads
 
     torch.manual_seed(6)
-    heads = MedusaHeads(target, MedusaConfig(num_heads=2, draft_vocab_size=6), torch.tensor([4, 3, 5, 6, 0, 2])).double()
+    heads = MedusaHeads(target, MedusaConfig(num_heads=2, draft_vocab_size=6), torch.tensor([4, 3, 5, 6, 0, 2])).to(target.dtype)
     with torch.no_grad():
         for param in heads.parameters():
             param.normal_(std=0.3)
@@ -108,7 +108,7 @@ def _dflash(target, tree_top_k: int = 1, min_path_prob: float = 0.0, lookup_toke
     torch.manual_seed(7)
     config = DFlashConfig(feature_layers=(0, 2), draft_vocab_size=6, block_size=3, num_layers=1, num_heads=2,
                           head_dim=8, intermediate_size=16)
-    model = DFlashModel(target, config, torch.tensor([4, 3, 5, 6, 0, 2])).double()
+    model = DFlashModel(target, config, torch.tensor([4, 3, 5, 6, 0, 2])).to(target.dtype)
     with torch.no_grad():
         model.layers[0].o_proj.weight.normal_(std=0.3)
     config = DFlashDrafterConfig(tree_top_k=tree_top_k, total_tokens=4, min_path_prob=min_path_prob,

@@ -12,13 +12,14 @@ import torch
 
 from specwise.drafters import METHODS, Drafter
 from specwise.drafters.base import check_engine, warn_renamed
-from specwise.drafters.checkpoint import read_config
+from specwise.drafters.checkpoint import is_checkpoint, read_config, shipped_drafter
 from specwise.drafters.prediction import PredictionDrafter, prediction_ids
 from specwise.engine.loop import speculative_generate
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.token_ids import check_token_ids
 from specwise.engine.types import GenerationResult
 from specwise.errors import ConfigError, DrafterError, PromptError
+from specwise.targets.engine_choice import check_engine_name
 
 #: drafters :func:`generate` keeps per target for the option sets it was called with (least
 #: recently used dropped): a drafter is shared, so repeated calls reuse one
@@ -65,6 +66,16 @@ def shared_drafter(target, method: str, **options: Any) -> Drafter:
         while len(kept) > KEPT_DRAFTERS:
             kept.popitem(last=False)
     return drafter
+
+
+def engine_for(engine: str, method: str, config, target: str) -> str:
+    """The engine to load ``target`` on for ``method``: the one asked for, but ``auto`` never picks
+    llama.cpp for a method that cannot run there (``draft`` with a trained draft-LM checkpoint, which
+    shares the torch target's decoder layers)."""
+    if check_engine_name(engine) is not None or method != "draft":
+        return engine
+    drafter = config.drafter_path or shipped_drafter(target, "draft")
+    return "torch" if drafter is not None and is_checkpoint(drafter) else engine
 
 
 def spec_and_config(method: str, **options: Any):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from specwise.api import check_seed, check_stop_strings, check_text, generate, spec_and_config
+from specwise.api import check_seed, check_stop_strings, check_text, engine_for, generate, spec_and_config
 from specwise.drafters.checkpoint import shipped_drafter
 from specwise.drafters.spec import parse_option_value
 from specwise.engine.sampling import SamplingConfig
@@ -17,6 +17,7 @@ from specwise.errors import ConfigError, DrafterError, PromptError
 from specwise.lab.report import stats_table
 from specwise.targets.aliases import KNOWN_TARGETS
 from specwise.targets.chat import check_messages
+from specwise.targets.engine_choice import ENGINE_HELP, ENGINES
 from specwise.targets.hf import load_target, resolve_device
 from specwise.targets.native.weights import WEIGHTS, WEIGHTS_HELP
 
@@ -50,9 +51,7 @@ def _add_generate_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
     p.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
-    p.add_argument("--engine", default="torch", choices=["torch", "llamacpp"],
-                   help="torch (default), or llamacpp: a GGUF target on llama.cpp's own engine (the file's "
-                        "precision; --dtype and --weights do not apply; methods without hidden states)")
+    p.add_argument("--engine", default="auto", choices=["auto", *ENGINES], help=ENGINE_HELP + " (default auto)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
@@ -124,8 +123,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                        if args.method == "draft" else "")
             raise DrafterError(f"the drafter {config.drafter_path} does not exist{aliases}.")
     resolve_device(args.device)
+    engine = engine_for(args.engine, args.method, config, args.target)
     target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress, weights=args.weights,
-                         engine=args.engine)
+                         engine=engine)
     streamer = None if args.json else _TextStreamer()
     result = generate(
         target, args.prompt, messages=messages, method=args.method, max_new_tokens=args.max_new_tokens,

@@ -37,7 +37,9 @@ from specwise.engine.sampling import prefix_token_masks, probs_from_scores, proc
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError, DrafterError
 from specwise.models.draft_lm import DraftLM, DraftLMConfig
+from specwise.targets.hf import load_llamacpp_target
 from specwise.targets.kv_cache import KVCache
+from specwise.targets.llamacpp import LlamaCppTarget
 from specwise.targets.loading import gguf_born, load_model_and_tokenizer
 
 
@@ -82,6 +84,20 @@ def check_same_vocabulary(target, draft_model, draft_tokenizer=None, draft_name:
         )
 
 
+def check_same_target_vocabulary(target, draft, draft_name: str = "the draft model") -> None:
+    """Refuse a draft target (a second llama.cpp context) whose vocabulary differs from the target's.
+
+    Raises:
+        DrafterError: the logits' widths differ, or the tokenizers map tokens differently.
+    """
+    if draft.vocab_size != target.vocab_size:
+        raise DrafterError(f"{draft_name} has a vocabulary of {draft.vocab_size} tokens but the target {target.name} "
+                           f"has {target.vocab_size}; a draft model must share the target's tokenizer.")
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise DrafterError(f"{draft_name} has a different tokenizer from the target {target.name}; a draft model "
+                           "must share it.")
+
+
 class _HFDraft:
     """An HF causal LM as a draft: logits over the full vocabulary (``vocab`` is None)."""
 
@@ -92,6 +108,9 @@ class _HFDraft:
         config = model.config.get_text_config()
         # positions the model can embed (absolute position embeddings fail past them); None = no limit
         self.max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+    def new_cache(self) -> KVCache:
+        return KVCache()
 
     def next_logits(self, feed: torch.Tensor, cache: KVCache) -> torch.Tensor:
         # shape: feed [n] -> [V]. An index tensor, not logits_to_keep=1: see Target.forward (the int
@@ -109,9 +128,31 @@ class _DraftLMStep:
         self.model = model
         self.vocab = model.vocab  # shape: [Vd]
 
+    def new_cache(self) -> KVCache:
+        return KVCache()
+
     def next_logits(self, feed: torch.Tensor, cache: KVCache) -> torch.Tensor:
         # shape: feed [n] -> [Vd]
         return self.model.next_logits(feed, cache.hf_cache)
+
+
+class _LlamaCppDraft:
+    """A GGUF draft model as a second llama.cpp context (a :class:`LlamaCppTarget` of its own): logits
+    over the full vocabulary. Target and draft decode in turn on the same cores, each with the
+    target's thread count, so neither waits on the other's threads."""
+
+    vocab = None
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.max_positions = model.max_context
+
+    def new_cache(self):
+        return self.model.new_cache()  # a range of the draft context's sequence ids, freed with it
+
+    def next_logits(self, feed: torch.Tensor, cache) -> torch.Tensor:
+        # shape: feed [n] -> [V]
+        return self.model.forward(feed, cache, num_logits=1).logits[-1]
 
 
 def load_draft_lm(path, target):
@@ -150,7 +191,10 @@ class DraftModelDrafter(Drafter):
             ``qwen2.5-coder-0.5b-instruct``) unless ``draft_model`` is given; without either, the
             target's default (:func:`specwise.drafters.checkpoint.shipped_drafter`) is used. A
             GGUF-born draft model is loaded with the target's weight form.
-        draft_model: an already loaded HF causal LM or :class:`DraftLM` (on the target's device).
+        draft_model: an already loaded HF causal LM or :class:`DraftLM` (on the target's device and
+            dtype), or for a target on llama.cpp a
+            :class:`specwise.targets.llamacpp.LlamaCppTarget` (a second context, see
+            :class:`_LlamaCppDraft`); a draft path given for such a target is loaded that way.
 
     Raises:
         DrafterError: no draft model was given and none ships for the target, the checkpoint was
@@ -169,19 +213,27 @@ class DraftModelDrafter(Drafter):
                     f"(train one with `specwise train draft`)."
                 )
             draft_model = loaded_once(target, ("draft", *on_disk(path)), lambda: _load_draft_model(path, target))
+        elif isinstance(draft_model, LlamaCppTarget):
+            if getattr(target, "engine", "torch") != "llamacpp":
+                raise DrafterError(f"a draft model on llama.cpp drafts for a target on llama.cpp; {target.name} runs "
+                                   f"on the {getattr(target, 'engine', 'torch')} engine.")
+            check_same_target_vocabulary(target, draft_model)
         elif not isinstance(draft_model, DraftLM):
             check_same_vocabulary(target, draft_model)
+        self.model = draft_model
+        if isinstance(draft_model, LlamaCppTarget):
+            self.step = _LlamaCppDraft(draft_model)
+            return
         weight = next(draft_model.parameters())
         if weight.dtype != target.dtype or weight.device != target.device:
             raise DrafterError(
                 f"the draft model is {weight.dtype} on {weight.device} but the target {target.name} is "
                 f"{target.dtype} on {target.device}; move it with .to(dtype=..., device=...) first."
             )
-        self.model = draft_model
         self.step = _DraftLMStep(draft_model) if isinstance(draft_model, DraftLM) else _HFDraft(draft_model)
 
     def start(self, ctx: DraftContext) -> DraftModelState:
-        return DraftModelState(KVCache())
+        return DraftModelState(self.step.new_cache())
 
     @torch.inference_mode()
     def propose(self, state: DraftModelState, ctx: DraftContext) -> Proposal:
@@ -245,7 +297,7 @@ class DraftModelState:
     """One generation's draft-model state: its KV cache, and the step's root index (``None``: not
     asked this step) and draft tokens."""
 
-    cache: KVCache
+    cache: KVCache  # or a LlamaCppCache, for a draft model on llama.cpp
     root: int | None = None
     drafted: list[int] = field(default_factory=list)
 
@@ -259,6 +311,10 @@ def _load_draft_model(path, target):
     """
     if is_checkpoint(path):
         return load_draft_lm(path, target)
+    if getattr(target, "engine", "torch") == "llamacpp":  # the draft on llama.cpp too: a second context
+        draft = load_llamacpp_target(str(path), threads=target.threads)
+        check_same_target_vocabulary(target, draft, f"draft model {path}")
+        return draft
     # a GGUF-born draft model takes the target's weight form (native next to native)
     weights = target.weights if gguf_born(str(path)) else None
     draft_model, draft_tokenizer, name = load_model_and_tokenizer(

@@ -130,4 +130,5 @@ def calibrate(
         step_time_s=step_time, num_tokens=sizes, forward_time_s=tuple(forward_times), methods=costs,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         tree_forward_time_s=tuple(tree_times),
+        engine=getattr(target, "engine", "torch"),
     )

@@ -19,12 +19,25 @@ def machine_info(device: torch.device) -> dict:
     1-minute load average when the measurement started."""
     info = {"platform": platform.platform(), "machine": platform.machine(), "processor": _cpu_name(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version()}
+            "python": platform.python_version(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_flags": _notable_flags()}
     if hasattr(os, "getloadavg"):  # other jobs on the machine inflate and scatter the timings
         info["load_average_1min"] = round(os.getloadavg()[0], 2)
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def _notable_flags() -> str:
+    """The CPU's vector and matrix extensions (what makes kernels and v(n) differ between machines)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line.partition(":")[2].split()
+                return " ".join(f for f in flags if f.startswith(("avx", "amx", "fma")))
+    except OSError:
+        pass
+    return ""
 
 
 def _cpu_name() -> str:

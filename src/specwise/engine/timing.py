@@ -57,6 +57,7 @@ class Calibration:
 
     Attributes:
         target, dtype, device: what was measured.
+        engine: the engine that ran it (``"torch"`` or ``"llamacpp"``).
         machine: platform, CPU / GPU name, thread count, torch version.
         context_length: cached tokens before each timed forward.
         repeats: timed runs per size / per method.
@@ -79,6 +80,7 @@ class Calibration:
     methods: dict[str, MethodCost] = field(default_factory=dict)
     created: str = ""
     tree_forward_time_s: tuple[float, ...] = ()  # t(n) for a binary draft tree of n nodes (4-D mask)
+    engine: str = "torch"
 
     @property
     def verify_cost(self) -> VerifyCostTable:
@@ -111,6 +113,7 @@ class Calibration:
                 forward_time_s=tuple(float(t) for t in data["forward_time_s"]), methods=methods,
                 created=data.get("created", ""),
                 tree_forward_time_s=tuple(float(t) for t in data.get("tree_forward_time_s", ())),
+                engine=str(data.get("engine", "torch")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"calibration data is incomplete or malformed ({exc!r}).") from None

@@ -76,7 +76,7 @@ class DraftLM(nn.Module):
 
     def __init__(self, target, config: DraftLMConfig, vocab: torch.Tensor, init_from_target: bool = True) -> None:
         super().__init__()
-        if not hasattr(target, "model"):
+        if getattr(target, "engine", "torch") != "torch":
             raise DrafterError(f"a trained draft LM shares the target's torch decoder layers; {target.name} runs on "
                                f"the {getattr(target, 'engine', 'other')} engine (load it with engine='torch', or "
                                "give method 'draft' a draft model file).")

@@ -11,10 +11,12 @@ import threading
 import time
 from pathlib import Path
 
+from specwise.api import engine_for, spec_and_config
 from specwise.drafters import METHODS
 from specwise.drafters.spec import parse_option_value
 from specwise.errors import ConfigError
 from specwise.targets.aliases import KNOWN_TARGETS
+from specwise.targets.engine_choice import ENGINE_HELP, ENGINES
 from specwise.targets.hf import load_target
 from specwise.targets.native.weights import WEIGHTS, WEIGHTS_HELP
 
@@ -58,8 +60,8 @@ def add_serve_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"],
                    help="the target's dtype (default bfloat16)")
     p.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
-    p.add_argument("--engine", default="torch", choices=["torch", "llamacpp"],
-                   help="torch (default), or llamacpp: a GGUF target on llama.cpp's own engine (docs/llamacpp.md)")
+    p.add_argument("--engine", default="auto", choices=["auto", *ENGINES],
+                   help=ENGINE_HELP + " (default auto; docs/llamacpp.md)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -83,8 +85,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     default, methods, options = _checked_methods(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    engine = engine_for(args.engine, default, spec_and_config(default, **options)[1], args.target)
     target = load_target(args.target, dtype=args.dtype, device=args.device, weights=args.weights,
-                         progress=lambda m: print(m, file=sys.stderr, flush=True), engine=args.engine)
+                         progress=lambda m: print(m, file=sys.stderr, flush=True), engine=engine)
     config = ServerConfig(model=args.model_name or (args.target if known else Path(args.target).name), default_method=default,
                           methods=tuple(dict.fromkeys(methods)), api_key=args.api_key, max_queue=args.max_queue,
                           max_tokens_cap=args.max_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,

@@ -17,11 +17,13 @@ from specwise.engine.target import AttentionLayout, TargetOutput
 from specwise.engine.tree import additive_attention_mask
 from specwise.errors import ConfigError
 from specwise.targets.chat import chat_prompt_ids, check_messages, end_of_turn_ids
+from specwise.targets.engine_choice import check_engine_name, faster_engine
 from specwise.targets.gguf_parts import tokenizer_of
 from specwise.targets.kv_cache import KVCache
 from specwise.targets.llamacpp import LlamaCppTarget
-from specwise.targets.loading import gguf_file, load_model_and_tokenizer
-from specwise.targets.native.weights import weights_of
+from specwise.targets.llamacpp import available as llamacpp_available
+from specwise.targets.loading import default_cache_dir, gguf_file, load_model_and_tokenizer
+from specwise.targets.native.weights import check_weights, weights_of
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
           "float64": torch.float64}
@@ -277,7 +279,7 @@ def load_target(
     device: str | torch.device | None = None,
     progress=None,
     weights: str | None = None,
-    engine: str = "torch",
+    engine: str | None = "torch",
 ):
     """Load a target model: the alias ``gemma-3-270m``, a local HF model directory, or a ``.gguf`` file.
 
@@ -293,7 +295,9 @@ def load_target(
         engine: ``"torch"`` (the default: this module's :class:`Target`) or ``"llamacpp"``: a GGUF
             alias or file on llama.cpp's own engine (:class:`specwise.targets.llamacpp.LlamaCppTarget`,
             float32 logits on the CPU; ``dtype`` and ``weights`` do not apply: it runs the file's own
-            precision).
+            precision), or ``None`` (also ``"auto"``): for a GGUF target on the CPU with no weight
+            form asked for, the engine measured faster here (:mod:`specwise.targets.engine_choice`:
+            the first load times both and records the winner), else torch.
 
     Returns:
         a target implementing :class:`specwise.engine.target.DecodingTarget`.
@@ -303,20 +307,32 @@ def load_target(
         ConfigError: bad dtype, device, weights or engine, native weights where they cannot run, or
             the llama.cpp engine for a target that is no GGUF file.
     """
-    if engine == "llamacpp":
-        return load_llamacpp_target(str(name_or_path))
-    if engine != "torch":
-        raise ConfigError(f"engine must be 'torch' or 'llamacpp', got {engine!r}.")
+    engine = check_engine_name(engine)
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
+    if engine is None:
+        gguf = gguf_file(str(name_or_path))
+        if gguf is None or torch_device.type != "cpu" or check_weights(weights) is not None or not llamacpp_available():
+            engine = "torch"
+        else:
+            def load(which: str):
+                return load_target(name_or_path, dtype=torch_dtype, device=torch_device, progress=progress,
+                                   weights=weights, engine=which)
+
+            engine, loaded = faster_engine(gguf, torch_dtype, default_cache_dir(), load, progress)
+            if loaded is not None:
+                return loaded
+    if engine == "llamacpp":
+        return load_llamacpp_target(str(name_or_path))
     model, tokenizer, name = load_model_and_tokenizer(
         str(name_or_path), dtype=torch_dtype, device=torch_device, progress=progress, weights=weights
     )
     return Target(model, tokenizer, name)
 
 
-def load_llamacpp_target(name_or_path: str) -> LlamaCppTarget:
-    """A GGUF alias or file on llama.cpp's engine, with the file's own tokenizer.
+def load_llamacpp_target(name_or_path: str, threads: int | None = None) -> LlamaCppTarget:
+    """A GGUF alias or file on llama.cpp's engine, with the file's own tokenizer (``threads``:
+    compute threads, default torch's).
 
     Raises:
         ConfigError: the target is a Hugging Face directory, not a GGUF file.
@@ -326,4 +342,4 @@ def load_llamacpp_target(name_or_path: str) -> LlamaCppTarget:
     if path is None:
         raise ConfigError(f"the llama.cpp engine runs GGUF files; {name_or_path} is a Hugging Face directory "
                           "(use engine='torch').")
-    return LlamaCppTarget(path, tokenizer_of(path), name_or_path)
+    return LlamaCppTarget(path, tokenizer_of(path), name_or_path, threads=threads)

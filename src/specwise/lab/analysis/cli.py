@@ -27,6 +27,7 @@ from specwise.engine.timing import Calibration
 from specwise.errors import ConfigError
 from specwise.lab.analysis.overlay import load_results, measured_points, mismatch_notes, predict, prediction_table
 from specwise.lab.analysis.plots import plot_speedup_vs_alpha, plot_speedup_vs_k, plot_verify_cost
+from specwise.targets.engine_choice import ENGINES
 from specwise.targets.hf import load_target
 from specwise.targets.native.weights import WEIGHTS, WEIGHTS_HELP
 
@@ -58,6 +59,8 @@ def add_analyze_args(parser: argparse.ArgumentParser, default_target: str) -> No
                         help="chain drafting methods to calibrate, comma-separated, e.g. 'pld,draft[drafter=PATH]'")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
     parser.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
+    parser.add_argument("--engine", default="torch", choices=["auto", *ENGINES],
+                        help="the engine to calibrate (default torch; llamacpp: a GGUF target on llama.cpp)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--context-length", type=int, default=256, help="cached tokens before each timed forward")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per size / method (medians)")
@@ -119,7 +122,8 @@ def _calibrate(args: argparse.Namespace):
     for spec in methods:  # validate options before loading the model
         name, options = split_spec(spec)
         METHODS.get(name).make_config(**options)
-    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress, weights=args.weights)
+    target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress, weights=args.weights,
+                         engine=args.engine)
     return calibrate(target, methods, sizes=args.sizes, context_length=args.context_length,
                      repeats=args.repeats, progress=_progress)
 
@@ -130,8 +134,8 @@ def analysis_markdown(calibration, points, notes, plots, overlay) -> str:
     c = calibration
     v = c.verify_cost
     lines = [f"# specwise analyze: {c.target}", "",
-             f"{c.dtype} on {c.device} ({c.machine.get('processor', '?')}, {c.machine.get('torch_threads', '?')} "
-             f"threads, torch {c.machine.get('torch', '?')}), calibrated {c.created}, {c.context_length} cached "
+             f"{c.dtype} on {c.device}, {c.engine} engine ({c.machine.get('processor', '?')}, "
+             f"{c.machine.get('cpu_flags', '?')}, {c.machine.get('torch_threads', '?')} threads, torch {c.machine.get('torch', '?')}), calibrated {c.created}, {c.context_length} cached "
              f"tokens, medians of {c.repeats} runs.", "",
              "Model (ALGORITHMS.md §1.5): E(α, k) = (1 − α^(k+1)) / (1 − α) tokens per step; "
              "speedup = E / (k·c + v(k+1)), with v(n) = t(n) / t(1) and c the draft cost per token relative to t(1).",

@@ -19,6 +19,7 @@ from specwise.lab.bench.report import markdown_report, rich_table
 from specwise.lab.bench.runner import run_benchmark
 from specwise.lab.bench.sweep import Sweep
 from specwise.prompts import default_prompt_records, is_held_out, load_prompts, take_per_category
+from specwise.targets.engine_choice import ENGINES
 from specwise.targets.hf import load_target
 from specwise.targets.loading import gguf_file
 from specwise.targets.native.weights import WEIGHTS, WEIGHTS_HELP
@@ -40,9 +41,9 @@ def add_bench_args(bench: argparse.ArgumentParser, default_target: str) -> None:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
     bench.add_argument("--weights", default="auto", choices=["auto", *WEIGHTS], help=WEIGHTS_HELP)
-    bench.add_argument("--engine", default="torch", choices=["torch", "llamacpp"],
-                       help="the engine our contenders run on (default torch); METHOD@llamacpp or METHOD@torch "
-                            "runs one contender on the other, in the same run")
+    bench.add_argument("--engine", default="torch", choices=["auto", *ENGINES],
+                       help="the engine our contenders run on (default torch; auto: the faster measured here); "
+                            "METHOD@llamacpp or METHOD@torch runs one contender on the other, in the same run")
     bench.add_argument("--device", default=None)
     bench.add_argument("--out", default="runs/bench")
     bench.add_argument("--llama-server", default=None, metavar="PATH",

@@ -38,6 +38,8 @@ class Contender:
     name: str
     run: Callable[..., Outcome]
     is_peer: bool = False
+    #: how the contender ran, for the report (a peer's command line and build), once it has run
+    describe: Callable[[], str] | None = None
 
 
 def specwise_contender(target, method: str, label: str | None = None, **options: Any) -> Contender:
@@ -149,7 +151,7 @@ def llamacpp_contender(target, binary: Path, gguf: Path, label: str = "llamacpp"
         prefill_s, decode_s = timings.get("prompt_ms", 0.0) / 1e3, timings.get("predicted_ms", 0.0) / 1e3
         return Outcome(list(reply.get("tokens", [])), prefill_s + decode_s, None, decode_time_s=decode_s)
 
-    return Contender(label, run, is_peer=True)
+    return Contender(label, run, is_peer=True, describe=server.describe)
 
 
 def parse_contender(target, spec: str, llama_server: Path | None = None, gguf: Path | None = None,

@@ -87,6 +87,12 @@ class LlamaServer:
         with urllib.request.urlopen(request, timeout=600) as reply:
             return json.loads(reply.read())
 
+    def describe(self) -> str:
+        """The command line the server ran and the build flags recorded beside the binary."""
+        record = Path(f"{self.binary}.build")
+        build = record.read_text().strip() if record.exists() else "not recorded (built otherwise)"
+        return f"`{' '.join(self.command) or '(not started)'}`; build: `{build}`"
+
     def close(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()

@@ -53,10 +53,13 @@ def markdown_report(result: BenchResult, plots: Sequence[str | Path] = ()) -> st
              f"the target's logits of the two tokens differ by ≤ {c['tie_margin']}.", ""]
     if "command" in c:
         lines += ["Command: `" + c["command"] + "`", ""]
+    for name, how in c.get("how_contenders_ran", {}).items():
+        lines += [f"`{name}` ran as {how}", ""]
     if "machine" in c:
         m = c["machine"]
         lines += [f"Machine: {m.get('processor', '?')}, {m.get('cpu_count', '?')} CPUs, {m.get('torch_threads', '?')} "
-                  f"torch threads, torch {m.get('torch', '?')}, load average {m.get('load_average_1min', '?')} at the start.",
+                  f"torch threads, torch {m.get('torch', '?')} (CPU capability {m.get('torch_cpu_capability', '?')}), "
+                  f"flags {m.get('cpu_flags', '?')}, load average {m.get('load_average_1min', '?')} at the start.",
                   ""]
     for group in ["overall"] + sorted(k for k in result.summaries if k != "overall"):
         lines += [f"## {group}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]

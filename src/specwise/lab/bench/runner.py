@@ -137,6 +137,9 @@ def run_benchmark(
               "device": str(target.device), "max_new_tokens": max_new_tokens, "temperature": temperature,
               "seed": seed, "prompts": len(prompts), "contenders": [c.name for c in contenders],
               "tie_margin": TIE_MARGIN, "chat": chat, **(extra_config or {})}
+    described = {c.name: c.describe() for c in contenders if c.describe is not None}
+    if described:
+        config["how_contenders_ran"] = described
     return BenchResult(config, records, summaries)
 
 
