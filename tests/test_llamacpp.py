@@ -57,7 +57,9 @@ def plain_greedy(target, prompt, count) -> tuple[list[int], float]:
 
 
 def test_it_implements_the_target_interface(target):
-    assert isinstance(target, DecodingTarget) and target.vocab_size == VOCAB and target.dtype == torch.float32
+    assert isinstance(target, DecodingTarget) and target.vocab_size == VOCAB
+    assert target.dtype == llamacpp.drafter_dtype()  # what drafters compute in; the logits are float32
+    assert target.forward(torch.tensor(PROMPT), target.new_cache(), num_logits=1).logits.dtype == torch.float32
 
 
 def test_plain_decoding_through_the_loop_is_the_engines_own(target):
@@ -132,12 +134,24 @@ def test_sampling_with_a_seed_repeats(target):
     assert runs[0] == runs[1] and len(runs[2]) == 20
 
 
-def test_repacking_is_off_exactly_on_cpus_with_amx():
+def test_repacking_is_off_exactly_where_ggml_runs_amx_kernels():
+    amx = frozenset({"avx512f", "amx_tile", "amx_int8", "amx_bf16"})
     assert llamacpp.repack_by_default(frozenset({"avx2", "avx512f"})) is True
-    assert llamacpp.repack_by_default(frozenset({"avx512f", "amx_tile", "amx_int8", "amx_bf16"})) is False
+    assert llamacpp.repack_by_default(amx) is False  # a backend linked in: its kernels may be AMX's
+    assert llamacpp.repack_by_default(amx, variant="sapphirerapids") is False
+    assert llamacpp.repack_by_default(amx, variant="zen4") is True  # no AMX kernels loaded
     assert llamacpp.repack_by_default(frozenset()) is True
+    maps = "7f00-7f10 r-xp 0 08:01 5 /x/site-packages/bin/libggml-cpu-zen4.so\n7f20 r-xp /x/libggml-base.so\n"
+    assert llamacpp.loaded_cpu_variant(maps) == "zen4" and llamacpp.loaded_cpu_variant("") is None
     flags = llamacpp.cpu_flags("processor : 0\nflags : fpu avx2 amx_tile\nflags : other\n")
     assert flags == frozenset({"fpu", "avx2", "amx_tile"})
+
+
+def test_drafters_compute_in_bf16_exactly_where_the_cpu_multiplies_it_natively():
+    assert llamacpp.drafter_dtype(frozenset({"avx2", "avx512f"})) == torch.float32
+    assert llamacpp.drafter_dtype(frozenset({"avx512f", "avx512_bf16"})) == torch.bfloat16
+    assert llamacpp.drafter_dtype(frozenset({"amx_tile", "amx_bf16"})) == torch.bfloat16
+    assert llamacpp.drafter_dtype(frozenset()) == torch.float32
 
 
 def test_auto_runs_the_candidates_this_engine_can(target):

@@ -75,7 +75,7 @@ def _eagle(target):
     vocab = torch.randperm(target.vocab_size)[:VOCAB_D]
     config = EagleConfig(feature_layers=inner_layers(target), draft_vocab_size=VOCAB_D, num_heads=2, head_dim=16,
                          intermediate_size=64)
-    head = EagleHead(target, config, vocab).eval().requires_grad_(False)
+    head = EagleHead(target, config, vocab).to(target.dtype).eval().requires_grad_(False)
     return EagleDrafter(target, EagleDrafterConfig(min_path_prob=0.0), head=head)
 
 
@@ -85,7 +85,8 @@ def _medusa(target):
 
     torch.manual_seed(0)
     vocab = torch.randperm(target.vocab_size)[:VOCAB_D]
-    heads = MedusaHeads(target, MedusaConfig(num_heads=3, draft_vocab_size=VOCAB_D), vocab).eval().requires_grad_(False)
+    heads = MedusaHeads(target, MedusaConfig(num_heads=3, draft_vocab_size=VOCAB_D), vocab)
+    heads = heads.to(target.dtype).eval().requires_grad_(False)
     return MedusaDrafter(target, MedusaDrafterConfig(min_path_prob=0.0), heads=heads)
 
 
@@ -97,7 +98,7 @@ def _dflash(target):
     vocab = torch.randperm(target.vocab_size)[:VOCAB_D]
     config = DFlashConfig(feature_layers=inner_layers(target), draft_vocab_size=VOCAB_D, block_size=4, num_layers=1,
                           num_heads=2, head_dim=16, intermediate_size=64)
-    model = DFlashModel(target, config, vocab).eval().requires_grad_(False)
+    model = DFlashModel(target, config, vocab).to(target.dtype).eval().requires_grad_(False)
     return DFlashDrafter(target, DFlashDrafterConfig(min_path_prob=0.0, tree_top_k=2), model=model)
 
 

@@ -133,6 +133,7 @@ def generate(
     text_streamer: Callable[[str], None] | None = None,
     include_stop: bool = True,
     prediction: str | Sequence[int] | None = None,
+    ignore_eos: bool = False,
     **method_options: Any,
 ) -> GenerationResult:
     """Generate text with lossless speculative decoding.
@@ -170,6 +171,8 @@ def generate(
         include_stop: keep the stop string that ended generation at the end of ``text`` and of the
             streamed text; ``False`` leaves it out (OpenAI's ``stop``), wherever it ends (inside a
             block of accepted draft tokens too). ``token_ids`` holds its tokens either way.
+        ignore_eos: go on past end-of-sequence (and end-of-turn) tokens to ``max_new_tokens``, as
+            benchmarks do to time a fixed number of tokens (llama.cpp's and vLLM's ``ignore_eos``).
         prediction: Predicted Outputs: text (or token ids) the output is expected to largely repeat,
             e.g. the code being edited. It becomes a second drafting source next to ``method``
             (:class:`specwise.drafters.prediction.PredictionDrafter`); the output stays exactly the
@@ -196,6 +199,8 @@ def generate(
     stop = check_stop_strings(stop)
     if not isinstance(include_stop, bool):
         raise ConfigError(f"include_stop must be True or False, got {include_stop!r}.")
+    if not isinstance(ignore_eos, bool):
+        raise ConfigError(f"ignore_eos must be True or False, got {ignore_eos!r}.")
     if isinstance(drafter, (str, os.PathLike)):
         warn_renamed("generate", "drafter=PATH", "drafter_path=PATH")
         if "drafter_path" in method_options:
@@ -213,6 +218,8 @@ def generate(
         eos_token_ids = target.eos_token_ids | target.end_of_turn_ids
     else:
         prompt_ids = encode_prompt(target, prompt)
+    if ignore_eos:
+        eos_token_ids = frozenset()
     if prompt_ids.numel() + max_new_tokens > target.max_context:
         raise PromptError(
             f"the prompt has {prompt_ids.numel()} tokens and {max_new_tokens} new tokens were asked for, "

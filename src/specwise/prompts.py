@@ -49,13 +49,15 @@ def load_prompts(paths: Iterable[str | Path]) -> list[PromptRecord]:
     return records
 
 
-def take_per_category(records: Iterable[PromptRecord], per_category: int) -> list[PromptRecord]:
-    """The first ``per_category`` prompts of each category, categories in first-seen order."""
+def take_per_category(records: Iterable[PromptRecord], per_category: int, skip: int = 0) -> list[PromptRecord]:
+    """The first ``per_category`` prompts of each category after its first ``skip``, categories in
+    first-seen order."""
     counts: dict[str, int] = {}
     kept = []
     for record in records:
-        if counts.get(record.category, 0) < per_category:
-            counts[record.category] = counts.get(record.category, 0) + 1
+        seen = counts.get(record.category, 0)
+        counts[record.category] = seen + 1
+        if skip <= seen < skip + per_category:
             kept.append(record)
     return kept
 

@@ -148,8 +148,9 @@ class Borrowed:
 
     @staticmethod
     def from_target(target, vocab: torch.Tensor) -> "Borrowed":
-        """``vocab``: ``[Vd]`` int64 target token ids."""
-        return Borrowed(target.input_embeddings(), target.output_rows(vocab))
+        """``vocab``: ``[Vd]`` int64 target token ids; the head rows come in the target's dtype (the
+        drafters'), converted once here rather than at every call."""
+        return Borrowed(target.input_embeddings(), target.output_rows(vocab).to(target.dtype))
 
 
 class HeadCache:

@@ -18,8 +18,10 @@
 - llama-cpp-python built with ggml's runtime CPU-variant dispatch (``GGML_BACKEND_DL`` with
   ``GGML_CPU_ALL_VARIANTS``, how the project's Makefile builds it) loads no CPU backend by itself;
   :func:`load_backends` loads the best variant for this CPU, so one wheel runs on every machine.
-- Weight repacking (``use_extra_bufts``) is off on CPUs with AMX: there llama.cpp's AMX matmul
-  crashed the process on decoding with it on (docs/llamacpp.md); elsewhere it is on.
+- On a CPU with AMX, :func:`load_backends` loads an AVX-512 variant without AMX kernels, and weight
+  repacking (``use_extra_bufts``) stays on: llama.cpp's AMX matmul crashed the process on decoding
+  repacked weights (docs/llamacpp.md). Where ggml's AMX kernels run (a backend linked in on such a
+  CPU) repacking is off.
 
 - Hidden states come from llama.cpp's graph evaluation callback (``cb_eval``): asked for a
   decode's taps, it names the graph tensors wanted (HF ``hidden_states[i]`` is ggml's
@@ -37,6 +39,7 @@
 from __future__ import annotations
 
 import ctypes
+import re
 import threading
 import weakref
 from functools import cached_property
@@ -86,11 +89,41 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset()
 
 
-def repack_by_default(flags: frozenset[str] | None = None) -> bool:
-    """Whether weight repacking is safe to turn on: not on a CPU with AMX (``amx_tile``), where
-    llama.cpp's AMX matmul crashed on decoding with repacked weights."""
+#: ggml's CPU variants with AMX kernels (where repacked weights crashed its AMX matmul)
+_AMX_VARIANTS = frozenset({"sapphirerapids"})
+#: on a CPU with AMX, the variants to load instead, best first: AVX-512 without AMX kernels, so
+#: weight repacking (ggml's fastest CPU layout) can stay on, as it does for the peer built without them
+_WITHOUT_AMX = ("zen4", "cooperlake", "icelake", "cascadelake", "cannonlake", "skylakex", "haswell")
+
+
+def loaded_cpu_variant(maps: str | None = None) -> str | None:
+    """Which of ggml's CPU variant libraries this process loaded (``libggml-cpu-<variant>.so`` in
+    ``/proc/self/maps``), or ``None`` for a build with its CPU backend linked in."""
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return None
+    found = re.search(r"libggml-cpu-([A-Za-z0-9_]+)\.so", maps)
+    return found.group(1) if found else None
+
+
+def repack_by_default(flags: frozenset[str] | None = None, variant: str | None = None) -> bool:
+    """Whether weight repacking is safe to turn on: everywhere but on a CPU with AMX (``amx_tile``)
+    running ggml's AMX kernels (an AMX variant, or a backend linked in whose kernels are unknown),
+    where llama.cpp's AMX matmul crashed on decoding repacked weights."""
     flags = cpu_flags() if flags is None else flags
-    return not any(flag.startswith("amx") for flag in flags)
+    if not any(flag.startswith("amx") for flag in flags):
+        return True
+    return variant is not None and variant not in _AMX_VARIANTS
+
+
+def drafter_dtype(flags: frozenset[str] | None = None) -> torch.dtype:
+    """The dtype drafters compute in beside a llama.cpp target: bfloat16 where the CPU multiplies
+    bf16 natively (AMX or AVX-512 BF16: oneDNN's bf16 matmuls there cost a fraction of float32's),
+    else float32. Drafts are proposals, so their precision never changes the output."""
+    flags = cpu_flags() if flags is None else flags
+    return torch.bfloat16 if {"amx_bf16", "avx512_bf16"} & flags else torch.float32
 
 
 def load_backends() -> None:
@@ -112,8 +145,16 @@ def load_backends() -> None:
     ggml.ggml_backend_reg_count.restype = ctypes.c_size_t
     if ggml.ggml_backend_reg_count() > 0:
         return
+    ggml.ggml_backend_load.argtypes = [ctypes.c_char_p]
+    ggml.ggml_backend_load.restype = ctypes.c_void_p
+    amx = any(flag.startswith("amx") for flag in cpu_flags())
     for where in (package.parent / "bin", package / "bin", package / "lib"):
         if any(where.glob("libggml-cpu*.so")):
+            # ggml would pick its AMX variant on such a CPU; one without AMX keeps repacking safe
+            for variant in _WITHOUT_AMX if amx else ():
+                library = where / f"libggml-cpu-{variant}.so"
+                if library.exists() and ggml.ggml_backend_load(str(library).encode()):
+                    return  # a variant this CPU cannot run is refused by its own score check
             ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
             ggml.ggml_backend_load_all_from_path(str(where).encode())
             break
@@ -228,7 +269,9 @@ class LlamaCppTarget:
         name: what it was loaded by.
         n_ctx: context positions (default: the model's own, as trained).
         threads: compute threads (default: torch's, which follows ``OMP_NUM_THREADS``).
-        repack: weight repacking (``None``: :func:`repack_by_default`).
+        repack: weight repacking (``None``: :func:`repack_by_default` for the CPU variant loaded).
+        dtype: what :attr:`dtype` reports, the dtype drafters compute in (``None``:
+            :func:`drafter_dtype`); logits are float32 whatever it is.
 
     Raises:
         TargetLoadError: llama-cpp-python is missing, or llama.cpp cannot load the file.
@@ -242,10 +285,11 @@ class LlamaCppTarget:
     engine = "llamacpp"
 
     def __init__(self, path: str | Path, tokenizer, name: str, *, n_ctx: int | None = None,
-                 threads: int | None = None, repack: bool | None = None) -> None:
+                 threads: int | None = None, repack: bool | None = None, dtype: torch.dtype | None = None) -> None:
         load_backends()
+        self._dtype = drafter_dtype() if dtype is None else dtype
         self.path, self.tokenizer, self.name = Path(path), tokenizer, name
-        self.repack = repack_by_default() if repack is None else repack
+        self.repack = repack_by_default(variant=loaded_cpu_variant()) if repack is None else repack
         model_params = lc.llama_model_default_params()
         model_params.n_gpu_layers = 0
         model_params.use_extra_bufts = self.repack
@@ -292,7 +336,8 @@ class LlamaCppTarget:
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.float32
+        """The dtype drafters beside this target compute in (the logits are float32)."""
+        return self._dtype
 
     @property
     def final_layer(self) -> int:

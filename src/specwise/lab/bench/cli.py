@@ -33,10 +33,14 @@ def add_bench_args(bench: argparse.ArgumentParser, default_target: str) -> None:
                        help="comma-separated contenders, e.g. 'ar,pld,pld[num_draft_tokens=5,max_ngram_size=2],hf-pld'")
     bench.add_argument("--hf-peers", action="store_true", help="add Hugging Face generate and prompt lookup")
     bench.add_argument("--per-category", type=int, default=0, help="first N prompts of each category")
+    bench.add_argument("--skip-per-category", type=int, default=0,
+                       help="leave out the first N prompts of each category first (tune on prompts a race does not use)")
     bench.add_argument("--held-out", action="store_true",
                        help="only prompts of the evaluation split, which drafter training never uses")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--chat", action="store_true", help="send each prompt as a user message through the target's chat template")
+    bench.add_argument("--ignore-eos", action="store_true",
+                       help="every contender generates --max-new-tokens tokens, past end-of-sequence (fixed-length timing)")
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
@@ -80,7 +84,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     with bench_progress(console, len(records) * len(contenders)) as on_progress:
         result = run_benchmark(target, records, contenders, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, seed=args.seed, on_progress=on_progress,
-                               extra_config=extra, chat=args.chat)
+                               extra_config=extra, chat=args.chat, ignore_eos=args.ignore_eos)
     results = result.to_dict()
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plots = write_bench_plots(results, out)
@@ -108,8 +112,10 @@ def _bench_prompts(args: argparse.Namespace) -> list:
     records = load_prompts(args.prompts) if args.prompts else default_prompt_records()
     if args.held_out:
         records = [r for r in records if is_held_out(r)]
-    if args.per_category:
-        records = take_per_category(records, args.per_category)
+    if args.skip_per_category < 0:
+        raise ConfigError(f"--skip-per-category must be >= 0, got {args.skip_per_category}.")
+    if args.per_category or args.skip_per_category:
+        records = take_per_category(records, args.per_category or len(records), args.skip_per_category)
     if not records:
         raise ConfigError("no prompts to benchmark.")
     return records

@@ -82,13 +82,15 @@ def hf_contender(target, kind: str, label: str | None = None, **options: Any) ->
         raise ConfigError(f"unknown Hugging Face peer {kind!r}; use generate, pld or assisted.")
 
     @torch.inference_mode()
-    def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, top_k=0, top_p=1.0, repetition_penalty=1.0):
+    def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, top_k=0, top_p=1.0, repetition_penalty=1.0,
+            ignore_eos=False):
         sample = temperature > 0 and top_k != 1
         config = GenerationConfig(
             max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
             top_k=(top_k or None) if sample else None, top_p=top_p if sample else None,
             repetition_penalty=repetition_penalty if repetition_penalty != 1.0 else None,
-            eos_token_id=eos, pad_token_id=target.tokenizer.pad_token_id or 0, **lookup,
+            eos_token_id=eos, pad_token_id=target.tokenizer.pad_token_id or 0,
+            min_new_tokens=max_new_tokens if ignore_eos else None, **lookup,
         )
         if seed is not None:
             torch.manual_seed(seed)
@@ -145,8 +147,8 @@ def llamacpp_contender(target, binary: Path, gguf: Path, label: str = "llamacpp"
         flags = {**flags, "draft": gguf_file(str(flags["draft"]))}
     server = LlamaServer(binary, gguf, flags, torch.get_num_threads())
 
-    def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, **_sampling):
-        reply = server.complete(prompt_ids.tolist(), max_new_tokens, temperature, seed)
+    def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, ignore_eos=False, **_sampling):
+        reply = server.complete(prompt_ids.tolist(), max_new_tokens, temperature, seed, ignore_eos=ignore_eos)
         timings = reply.get("timings", {})
         prefill_s, decode_s = timings.get("prompt_ms", 0.0) / 1e3, timings.get("predicted_ms", 0.0) / 1e3
         return Outcome(list(reply.get("tokens", [])), prefill_s + decode_s, None, decode_time_s=decode_s)

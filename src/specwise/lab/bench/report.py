@@ -51,6 +51,9 @@ def markdown_report(result: BenchResult, plots: Sequence[str | Path] = ()) -> st
              f"per-prompt ratios (steadier than the median when sampled texts differ). "
              f"τ = new tokens per target forward (prefill included). A divergence from `ar` is a near-tie when "
              f"the target's logits of the two tokens differ by ≤ {c['tie_margin']}.", ""]
+    if c.get("ignore_eos"):
+        lines += [f"Every contender generated exactly {c['max_new_tokens']} tokens, past end-of-sequence (`--ignore-eos`).",
+                  ""]
     if "command" in c:
         lines += ["Command: `" + c["command"] + "`", ""]
     for name, how in c.get("how_contenders_ran", {}).items():

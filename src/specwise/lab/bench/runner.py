@@ -94,6 +94,7 @@ def run_benchmark(
     on_progress: Callable[[int, int], None] | None = None,
     extra_config: dict | None = None,
     chat: bool = False,
+    ignore_eos: bool = False,
 ) -> BenchResult:
     """Benchmark contenders on prompts, interleaved.
 
@@ -106,6 +107,8 @@ def run_benchmark(
         on_progress: called with ``(runs done, runs total)``.
         chat: send each prompt as one user message through the target's chat template (the same
             token ids to every contender, peers included).
+        ignore_eos: every contender generates ``max_new_tokens`` tokens, past end-of-sequence (so
+            sampled texts of different lengths do not weigh the prefill differently).
 
     Returns:
         :class:`BenchResult` with per-run records and per-category / overall summaries.
@@ -113,7 +116,7 @@ def run_benchmark(
     encoded = [target.encode_chat([{"role": "user", "content": p.prompt}]) if chat else target.encode(p.prompt)
                for p in prompts]
     for contender in contenders:  # warm-up
-        contender.run(encoded[0], min(16, max_new_tokens), temperature=temperature, seed=seed)
+        contender.run(encoded[0], min(16, max_new_tokens), temperature=temperature, seed=seed, ignore_eos=ignore_eos)
     records: list[RunRecord] = []
     total, done = len(prompts) * len(contenders), 0
     for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
@@ -121,7 +124,8 @@ def run_benchmark(
         order = list(contenders[shift:]) + list(contenders[:shift])
         by_name: dict[str, RunRecord] = {}
         for contender in order:
-            outcome = contender.run(ids, max_new_tokens, temperature=temperature, seed=seed + index)
+            outcome = contender.run(ids, max_new_tokens, temperature=temperature, seed=seed + index,
+                                    ignore_eos=ignore_eos)
             by_name[contender.name] = _record(contender, prompt, outcome)
             done += 1
             if on_progress:
@@ -136,7 +140,8 @@ def run_benchmark(
               "dtype": str(target.dtype).removeprefix("torch."),
               "device": str(target.device), "max_new_tokens": max_new_tokens, "temperature": temperature,
               "seed": seed, "prompts": len(prompts), "contenders": [c.name for c in contenders],
-              "tie_margin": TIE_MARGIN, "chat": chat, **(extra_config or {})}
+              "tie_margin": TIE_MARGIN, "chat": chat, "ignore_eos": ignore_eos,
+              **(extra_config or {})}
     described = {c.name: c.describe() for c in contenders if c.describe is not None}
     if described:
         config["how_contenders_ran"] = described
