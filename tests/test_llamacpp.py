@@ -147,6 +147,13 @@ def test_repacking_is_off_exactly_where_ggml_runs_amx_kernels():
     assert flags == frozenset({"fpu", "avx2", "amx_tile"})
 
 
+def test_on_a_cpu_with_amx_the_variant_loaded_has_no_amx_kernels_and_repacks(target):
+    variant = llamacpp.loaded_cpu_variant()
+    if variant is None or not any(flag.startswith("amx") for flag in llamacpp.cpu_flags()):
+        pytest.skip("not a CPU with AMX running ggml's loadable CPU variants")
+    assert variant not in llamacpp._AMX_VARIANTS and target.repack
+
+
 def test_drafters_compute_in_bf16_exactly_where_the_cpu_multiplies_it_natively():
     assert llamacpp.drafter_dtype(frozenset({"avx2", "avx512f"})) == torch.float32
     assert llamacpp.drafter_dtype(frozenset({"avx512f", "avx512_bf16"})) == torch.bfloat16

@@ -1,7 +1,7 @@
 """Sampled speculative decoding on the llama.cpp engine draws from the engine's own distribution.
 
 A tiny Llama-shaped GGUF (F32, an 8-token vocabulary, a flat enough LM head that every token is
-drawn) generates 3 tokens per run over 20,000 seeds; the empirical distribution of the
+drawn) generates 3 tokens per run over 20,000 seeds (past its end-of-sequence token, ``ignore_eos``); the empirical distribution of the
 (x1, x2, x3) sequences is compared by chi-square with the exact one, computed from one-token-per-
 prefix forwards of the same engine and the by-the-definition logits processing in conftest. The
 drafters are the sampling tests' own (:mod:`test_sampling_e2e`) in float32, and ``draft`` is a
@@ -91,7 +91,9 @@ def test_sampled_sequences_follow_the_engines_distribution(engine, config):
     counts = np.zeros([V] * 3, np.int64)
     drafted = accepted = 0
     for seed in range(DRAWS):
-        result = specwise.generate(target, PROMPT, max_new_tokens=max_new_tokens, seed=seed, **sampling, **options)
+        result = specwise.generate(target, PROMPT, max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True,
+                                   **sampling, **options)
+        assert len(result.token_ids) == max_new_tokens
         counts[tuple(result.token_ids[:3])] += 1
         drafted += result.stats.drafted_tokens
         accepted += result.stats.accepted_tokens
