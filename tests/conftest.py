@@ -18,6 +18,7 @@ from scipy import stats as scipy_stats
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+import specwise
 from specwise.drafters.base import Drafter
 from specwise.engine.types import AuxiliaryTokens, DraftContext, Proposal, StepFeedback
 from specwise.targets.hf import Target
@@ -211,6 +212,22 @@ def assert_distribution(counts, probs, what: str = "samples") -> None:
         f"{what} are not distributed as expected: chi-square p = {p_value:.2e} over {len(exp_cells)} cells, "
         f"n = {int(n)}\nobserved {counts.tolist()}\nexpected {expected.round(1).tolist()}"
     )
+
+
+def draw_sequences(target, options: dict, max_new_tokens: int, sampling: dict, draws: int, vocab: int,
+                   prompt, **extra) -> tuple[np.ndarray, int, int]:
+    """Generate with seeds ``0 .. draws-1``: ``(counts [vocab]*3 of the first three new tokens,
+    tokens drafted, tokens accepted)``. ``options`` names the method or the drafter."""
+    counts = np.zeros([vocab] * 3, np.int64)
+    drafted = accepted = 0
+    for seed in range(draws):
+        result = specwise.generate(target, prompt, max_new_tokens=max_new_tokens, seed=seed, **sampling, **options,
+                                   **extra)
+        assert len(result.token_ids) == max_new_tokens
+        counts[tuple(result.token_ids[:3])] += 1
+        drafted += result.stats.drafted_tokens
+        accepted += result.stats.accepted_tokens
+    return counts, drafted, accepted
 
 
 def assert_rate(successes: int, trials: int, rate: float, what: str, sigmas: float = 4.5) -> None:

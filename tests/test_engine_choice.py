@@ -67,7 +67,7 @@ def test_the_faster_engine_is_measured_once_and_recorded(tmp_path):
 def test_engine_names():
     assert check_engine_name("auto") is None and check_engine_name(None) is None
     assert check_engine_name("llamacpp") == "llamacpp"
-    with pytest.raises(ConfigError, match="engine must be auto or one of torch, llamacpp"):
+    with pytest.raises(ConfigError, match="unknown engine 'ggml'; choose auto or one of torch, llamacpp"):
         check_engine_name("ggml")
 
 

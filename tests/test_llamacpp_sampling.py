@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import specwise
-from conftest import assert_distribution, make_tokenizer, reference_probs
+from conftest import assert_distribution, draw_sequences, make_tokenizer, reference_probs
 from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter
 
 llamacpp = pytest.importorskip("specwise.targets.llamacpp")
@@ -88,14 +87,7 @@ def test_sampled_sequences_follow_the_engines_distribution(engine, config):
     make, max_new_tokens, sampling = CONFIGS[config]
     exact = exact_joint(target, 3, **sampling)
     options = dict(method=make) if isinstance(make, str) else dict(drafter=make(target, draft))
-    counts = np.zeros([V] * 3, np.int64)
-    drafted = accepted = 0
-    for seed in range(DRAWS):
-        result = specwise.generate(target, PROMPT, max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True,
-                                   **sampling, **options)
-        assert len(result.token_ids) == max_new_tokens
-        counts[tuple(result.token_ids[:3])] += 1
-        drafted += result.stats.drafted_tokens
-        accepted += result.stats.accepted_tokens
+    counts, drafted, accepted = draw_sequences(target, options, max_new_tokens, sampling, DRAWS, V, PROMPT,
+                                               ignore_eos=True)  # the exact joint knows no end-of-sequence
     assert 0 < accepted < drafted, "both acceptance and rejection must be exercised"
     assert_distribution(counts, exact, f"{config} on llama.cpp: sequences")

@@ -19,6 +19,7 @@ from conftest import (
     RandomDrafter,
     assert_distribution,
     cached_model,
+    draw_sequences,
     make_model,
     make_target,
     random_prompt,
@@ -180,14 +181,7 @@ def test_sampled_sequences_follow_the_target_distribution(config):
     target = make_target("llama", 0, vocab_size=V, eos=())
     exact = exact_joint(target.model, PROMPT, 3, **{k: v for k, v in sampling.items() if k != "prediction"})
     options = dict(method=make_drafter) if isinstance(make_drafter, str) else dict(drafter=make_drafter(target))
-    counts = np.zeros([V] * 3, np.int64)
-    drafted = accepted = 0
-    for seed in range(NUM_SEEDS):
-        result = specwise.generate(target, PROMPT, max_new_tokens=max_new_tokens, seed=seed, **sampling, **options)
-        assert len(result.token_ids) == max_new_tokens
-        counts[tuple(result.token_ids[:3])] += 1
-        drafted += result.stats.drafted_tokens
-        accepted += result.stats.accepted_tokens
+    counts, drafted, accepted = draw_sequences(target, options, max_new_tokens, sampling, NUM_SEEDS, V, PROMPT)
     assert 0 < accepted < drafted, "both acceptance and rejection must be exercised"
     assert_distribution(counts, exact, f"{config}: sequences")
 

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from specwise.errors import ConfigError
+from specwise.targets.native.weights import auto_or_one_of
 
 ENGINES: tuple[str, ...] = ("torch", "llamacpp")
 ENGINE_HELP = ("torch, llamacpp (a GGUF target on llama.cpp's own engine: the file's precision; --dtype and "
@@ -34,11 +34,7 @@ def check_engine_name(engine: str | None) -> str | None:
     Raises:
         ConfigError: any other value.
     """
-    if engine is None or engine == "auto":
-        return None
-    if engine in ENGINES:
-        return engine
-    raise ConfigError(f"engine must be auto or one of {', '.join(ENGINES)}, got {engine!r}.")
+    return auto_or_one_of("engine", engine, ENGINES)
 
 
 @torch.inference_mode()

@@ -35,17 +35,26 @@ WEIGHTS_HELP = ("target weights: native (the GGUF's own precision on torch's pac
                 "bf16 (dense), or auto: the faster measured on this machine (default)")
 
 
+def auto_or_one_of(what: str, value: str | None, choices: tuple[str, ...]) -> str | None:
+    """``value`` if it is one of ``choices``; ``None`` for ``None`` or ``"auto"`` (the faster measured).
+
+    Raises:
+        ConfigError: any other value, named as ``what``.
+    """
+    if value is None or value == "auto":
+        return None
+    if value in choices:
+        return value
+    raise ConfigError(f"unknown {what} {value!r}; choose auto or one of {', '.join(choices)}.")
+
+
 def check_weights(weights: str | None) -> str | None:
     """One of :data:`WEIGHTS`, or ``None`` for the faster measured form (also spelt ``"auto"``).
 
     Raises:
         ConfigError: any other value.
     """
-    if weights is None or weights == "auto":
-        return None
-    if weights in WEIGHTS:
-        return weights
-    raise ConfigError(f"unknown weights {weights!r}; choose auto or one of {', '.join(WEIGHTS)}.")
+    return auto_or_one_of("weights", weights, WEIGHTS)
 
 
 def weights_of(model: nn.Module) -> str:
