@@ -121,7 +121,8 @@ def repack_by_default(flags: frozenset[str] | None = None, variant: str | None =
 def drafter_dtype(flags: frozenset[str] | None = None) -> torch.dtype:
     """The dtype drafters compute in beside a llama.cpp target: bfloat16 where the CPU multiplies
     bf16 natively (AMX or AVX-512 BF16: oneDNN's bf16 matmuls there cost a fraction of float32's),
-    else float32. Drafts are proposals, so their precision never changes the output."""
+    else float32. Drafts are proposals, so their precision never changes the output's distribution
+    (greedy: which drafts are verified together, so where a batched kernel's near-tie falls)."""
     flags = cpu_flags() if flags is None else flags
     return torch.bfloat16 if {"amx_bf16", "avx512_bf16"} & flags else torch.float32
 
