@@ -28,16 +28,22 @@ def machine_info(device: torch.device) -> dict:
     return info
 
 
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``'s first ``flags`` line); empty where unknown."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
 def _notable_flags() -> str:
     """The CPU's vector and matrix extensions (what makes kernels and v(n) differ between machines)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line.partition(":")[2].split()
-                return " ".join(f for f in flags if f.startswith(("avx", "amx", "fma")))
-    except OSError:
-        pass
-    return ""
+    return " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))))
 
 
 def _cpu_name() -> str:

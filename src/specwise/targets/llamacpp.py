@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specwise.engine.clock import cpu_flags
 from specwise.engine.target import AttentionLayout, TargetOutput
 from specwise.errors import ConfigError, TargetLoadError
 from specwise.targets.chat import chat_prompt_ids, check_messages, end_of_turn_ids
@@ -74,19 +75,6 @@ FINAL_NORM = b"result_norm"
 def available() -> bool:
     """Whether llama-cpp-python is installed."""
     return lc is not None
-
-
-def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
-    """The CPU's feature flags (``/proc/cpuinfo``'s first ``flags`` line); empty where unknown."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return frozenset()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
 
 
 #: ggml's CPU variants with AMX kernels (where repacked weights crashed its AMX matmul)
