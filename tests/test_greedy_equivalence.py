@@ -29,7 +29,15 @@ from conftest import (
 )
 from specwise.drafters.autoregressive import AutoregressiveConfig, AutoregressiveDrafter
 from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter
-from specwise.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
+from specwise.drafters.prompt_lookup import (
+    GREEDY_NGRAMS,
+    SAMPLED_NGRAMS,
+    PromptLookupConfig,
+    PromptLookupDrafter,
+    ngram_sizes,
+)
+from specwise.engine.sampling import SamplingConfig
+from specwise.engine.types import DraftContext
 
 NEW = 30
 KS = [1, 2, 5, 8]
@@ -266,3 +274,19 @@ def test_tokenizer_round_trip():
     tokenizer = make_target("llama").tokenizer
     ids = list(range(VOCAB))
     assert tokenizer(" ".join(f"t{i}" for i in ids)).input_ids == ids
+
+
+def test_prompt_lookup_tries_long_suffixes_only_when_sampling():
+    """Under greedy decoding prompt lookup copies after a short recurring suffix; when sampling only
+    after a long one (a sampled text leaves a short match's copy at once), unless the sizes are given."""
+    assert ngram_sizes(None, None, True) == GREEDY_NGRAMS and ngram_sizes(None, None, False) == SAMPLED_NGRAMS
+    assert ngram_sizes(None, 5, False) == (5, 5) and ngram_sizes(2, None, False) == (2, SAMPLED_NGRAMS[1])
+    assert ngram_sizes(10, None, True) == (10, 10) and ngram_sizes(2, 4, False) == (2, 4)
+    target = make_target("llama", eos=())
+    ids = torch.tensor([5, 9, 1, 2, 7, 3, 1, 2])  # only the 2-gram (1, 2) recurs
+    for config, greedy_drafts, sampled_drafts in ((PromptLookupConfig(), [7, 3, 1, 2], []),
+                                                  (PromptLookupConfig(min_ngram_size=2), [7, 3, 1, 2], [7, 3, 1, 2])):
+        drafter = PromptLookupDrafter(target, config)
+        for sampling, expected in ((SamplingConfig(), greedy_drafts), (SamplingConfig(temperature=0.7), sampled_drafts)):
+            ctx = DraftContext(token_ids=ids, max_draft_tokens=4, sampling=sampling, generator=None, cache_length=7)
+            assert drafter.propose(None, ctx).tokens.tolist() == expected

@@ -63,13 +63,20 @@ def _draft(verification: str = "token"):
     return make
 
 
+def _short_pld(target):
+    """Prompt lookup with short suffixes (a sampled text rarely repeats a long one)."""
+    from specwise.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
+
+    return PromptLookupDrafter(target, PromptLookupConfig(min_ngram_size=1, max_ngram_size=3))
+
+
 def _trained(factory, **options):
     return lambda target, draft: factory(target, **options)
 
 
 # name: (method name or drafter factory(target, draft), max_new_tokens, sampling options)
 CONFIGS = {
-    "pld-t0.8-topk": ("pld", 3, dict(temperature=0.8, top_k=6)),
+    "pld-t0.8-topk": (lambda target, draft: _short_pld(target), 3, dict(temperature=0.8, top_k=6)),
     "lookahead-t0.9": ("lookahead", 3, dict(temperature=0.9)),
     "draft-t0.8": (_draft(), 3, dict(temperature=0.8)),
     "draft-block-topk-topp-penalty": (_draft("block"), 4, dict(temperature=1.0, top_k=5, top_p=0.9,

@@ -111,6 +111,31 @@ def test_trained_methods_are_greedy_exact(files, make):
     assert result.stats.drafted_tokens > 0
 
 
+def test_tree_budgets_default_by_engine_and_a_given_one_is_kept(files):
+    """``min_path_prob`` left unset takes the engine's default (a verified row costs ggml a pass over
+    the LM head, so fewer nodes pay); a value the user gives is used as given."""
+    from specwise.drafters.eagle import EagleDrafterConfig
+    from specwise.drafters.medusa import MedusaDrafterConfig
+
+    _, target = files
+    for config_cls in (MedusaDrafterConfig, EagleDrafterConfig):
+        by_engine = config_cls.ENGINE_DEFAULTS["min_path_prob"]
+        assert config_cls().min_path_prob is None
+        assert config_cls().for_engine("llamacpp").min_path_prob == by_engine["llamacpp"] > by_engine["torch"]
+        assert config_cls().for_engine("an engine not listed").min_path_prob == by_engine["torch"]
+        assert config_cls(min_path_prob=0.05).for_engine("llamacpp").min_path_prob == 0.05
+    assert _medusa(target).config.min_path_prob == 0.0
+    assert _medusa_default(target).config.min_path_prob == MedusaDrafterConfig.ENGINE_DEFAULTS["min_path_prob"]["llamacpp"]
+
+
+def _medusa_default(target):
+    from specwise.drafters.medusa import MedusaDrafter, MedusaDrafterConfig
+    from specwise.models.medusa import MedusaConfig, MedusaHeads
+
+    heads = MedusaHeads(target, MedusaConfig(num_heads=3, draft_vocab_size=VOCAB_D), torch.arange(VOCAB_D))
+    return MedusaDrafter(target, MedusaDrafterConfig(), heads=heads.to(target.dtype).eval().requires_grad_(False))
+
+
 def test_a_final_layer_feature_is_refused_in_one_sentence(files):
     from specwise.models.eagle import EagleConfig, EagleHead
 

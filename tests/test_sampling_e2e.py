@@ -27,6 +27,7 @@ from conftest import (
     reference_probs,
 )
 from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter
+from specwise.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
 from specwise.engine.acceptance import ExactAcceptance
 
 V = 8
@@ -163,16 +164,21 @@ CONFIGS = {
     "draft-block-t0.8": (lambda target: _draft_model(target, "block"), 4, dict(temperature=0.8)),
     "draft-block-topk-topp-penalty": (lambda target: _draft_model(target, "block"), 4,
                                       dict(temperature=1.0, top_k=5, top_p=0.9, repetition_penalty=1.3)),
-    "pld-t0.8-topk": ("pld", 3, dict(temperature=0.8, top_k=6)),
+    # prompt lookup with short suffixes, which a sampled text rarely repeats long ones of
+    "pld-t0.8-topk": (lambda target: _short_pld(target), 3, dict(temperature=0.8, top_k=6)),
     "uniform-q-topp": (lambda target: RandomDrafter(V, 2, seed=0, with_probs=True), 3,
                        dict(temperature=1.2, top_p=0.8)),
     # Predicted Outputs: the prediction's copy alone (ar), grafted onto pld's chain, and grafted
     # onto a sampled draft model's chain (which carries draft probabilities: the copy's nodes as one-hot rows)
     "ar-prediction-t0.9": ("ar", 3, dict(temperature=0.9, prediction=[3, 4, 5, 3, 4, 6, 3, 4, 6])),
-    "pld-prediction-topk-penalty": ("pld", 3, dict(temperature=1.0, top_k=5, repetition_penalty=1.3,
+    "pld-prediction-topk-penalty": (lambda target: _short_pld(target), 3, dict(temperature=1.0, top_k=5, repetition_penalty=1.3,
                                                    prediction=[4, 6, 3, 5, 5, 3, 4])),
     "draft-prediction-t0.8": (_draft_model, 4, dict(temperature=0.8, prediction=[6, 3, 4, 5, 3])),
 }
+
+
+def _short_pld(target):
+    return PromptLookupDrafter(target, PromptLookupConfig(min_ngram_size=1, max_ngram_size=3))
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

@@ -21,13 +21,15 @@ __all__ = ["Drafter", "DraftingConfig", "METHODS", "MethodConfig", "MethodRegist
            "check_int", "check_probability", "check_probability_threshold", "register_drafter"]
 
 
-def check_probability_threshold(name: str, value: float) -> None:
-    """Refuse a path-probability threshold outside ``[0, 1)``.
+def check_probability_threshold(name: str, value: float | None) -> None:
+    """Refuse a path-probability threshold outside ``[0, 1)`` (``None``: the engine's default,
+    :meth:`MethodConfig.for_engine`).
 
     Raises:
-        ConfigError: ``value`` is not a number in ``[0, 1)``.
+        ConfigError: ``value`` is not ``None`` nor a number in ``[0, 1)``.
     """
-    check_probability(name, value)
+    if value is not None:
+        check_probability(name, value)
 
 
 def loaded_once(target, key: tuple, load: Callable[[], Any]) -> Any:
@@ -110,6 +112,17 @@ class MethodConfig(metaclass=_RenamedOptions):
     """
 
     RENAMED_OPTIONS: ClassVar[dict[str, str]] = {}
+    #: options whose default depends on the engine running the target, ``{option: {engine: value}}``
+    #: (every table names ``"torch"``, the value for an engine it does not name): such an option
+    #: defaults to ``None`` and :meth:`for_engine` fills it in
+    ENGINE_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    def for_engine(self, engine: str) -> "MethodConfig":
+        """These options with every engine-dependent one left ``None`` set to ``engine``'s default
+        (:attr:`ENGINE_DEFAULTS`); a value the user gave is kept."""
+        changes = {name: by_engine.get(engine, by_engine["torch"])
+                   for name, by_engine in type(self).ENGINE_DEFAULTS.items() if getattr(self, name) is None}
+        return dataclasses.replace(self, **changes) if changes else self
 
     def __getattr__(self, name: str) -> Any:
         # only reached when ordinary lookup fails: an old spelling reads the renamed field

@@ -35,7 +35,7 @@ relative), so a prompt or generation of any length keeps working.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -83,9 +83,9 @@ class EagleDrafterConfig(TrainedDrafterConfig):
     depth: int = 4  # tree levels below the root (head forwards per step)
     tree_top_k: int = 4  # children per expanded node, and nodes expanded per level (EAGLE's top_k)
     total_tokens: int = 8  # draft nodes verified per step (the root excluded)
-    # faster than no threshold, paired per prompt, greedy and sampled (see
-    # docs/benchmarks/dynamic-budget-confirm-report.md, dynamic-budget-greedy-report.md, dynamic-budget-t0.7-report.md)
-    min_path_prob: float = 0.1  # verify only nodes whose path probability under the head reaches this
+    # verify only nodes whose path probability under the head reaches this; None = the engine's default
+    # (ENGINE_DEFAULTS below)
+    min_path_prob: float | None = None
     # while the lookup's estimated per-token acceptance reaches this, the head drafts one level only;
     # None = off. 0.9 and 0.8 measured within noise of off (see docs/benchmarks/lookup-graft-trust-greedy-report.md)
     lookup_trust: float | None = None
@@ -94,6 +94,12 @@ class EagleDrafterConfig(TrainedDrafterConfig):
     # total_tokens // depth children, at most tree_top_k, of the best node of the level above); greedy:
     # the dynamic tree
     draft_sampling: Literal["deterministic", "sampled"] = "deterministic"
+
+    # torch: faster than no threshold, paired per prompt, greedy and sampled
+    # (docs/benchmarks/dynamic-budget-confirm-report.md, dynamic-budget-greedy-report.md,
+    # dynamic-budget-t0.7-report.md); llama.cpp, whose verified rows cost more: fewer nodes, greedy
+    # (docs/benchmarks/llamacpp-tune-greedy-report.md, docs/llamacpp.md)
+    ENGINE_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {"min_path_prob": {"torch": 0.1, "llamacpp": 0.2}}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -151,7 +157,7 @@ class EagleDrafter(TrainedDrafter):
     """
 
     def __init__(self, target, config: EagleDrafterConfig, head: EagleHead | None = None) -> None:
-        self.config = config
+        config = self.config = config.for_engine(getattr(target, "engine", "torch"))
         if head is None:
             head = load_or_shipped(target, "eagle", config.drafter_path, HEAD, load_eagle_head)
         check_placement(target, HEAD, head.fc.weight)

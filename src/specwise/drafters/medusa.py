@@ -25,7 +25,7 @@ Acceptance:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -68,13 +68,19 @@ class MedusaDrafterConfig(TrainedDrafterConfig):
     acceptance: Literal["exact", "typical-lossy"] = "exact"  # "exact" (lossless) or "typical-lossy" (Medusa's typical acceptance, not lossless)
     posterior_threshold: float = 0.09  # typical-lossy: epsilon
     posterior_alpha: float = 0.3  # typical-lossy: delta
-    # with the shipped heads' 12-node tree, slightly faster than 2 fixed nodes, paired per prompt (see
-    # docs/benchmarks/dynamic-budget-confirm-report.md, dynamic-budget-greedy-report.md, dynamic-budget-t0.7-report.md)
-    min_path_prob: float = 0.15  # verify only nodes whose path probability under the heads reaches this
+    # verify only nodes whose path probability under the heads reaches this; None = the engine's
+    # default (ENGINE_DEFAULTS below)
+    min_path_prob: float | None = None
     # when sampling with the exact rule: the tree's tokens are the heads' top ranks ("deterministic") or
     # drawn without replacement from each head's tempered distribution ("sampled"; same tree shape), which
     # measured faster at T = 0.7 (see docs/benchmarks/sampled-siblings-t0.7-report.md); greedy: top ranks
     draft_sampling: Literal["deterministic", "sampled"] = "sampled"
+
+    # torch: with the shipped heads' 12-node tree, slightly faster than 2 fixed nodes, paired per prompt
+    # (docs/benchmarks/dynamic-budget-confirm-report.md, dynamic-budget-greedy-report.md,
+    # dynamic-budget-t0.7-report.md); llama.cpp, whose verified rows cost more (a pass over the LM head
+    # each): fewer nodes, greedy (docs/benchmarks/llamacpp-tune-greedy-report.md, docs/llamacpp.md)
+    ENGINE_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {"min_path_prob": {"torch": 0.15, "llamacpp": 0.3}}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -157,7 +163,7 @@ class MedusaDrafter(TrainedDrafter):
 
     def __init__(self, target, config: MedusaDrafterConfig, heads: MedusaHeads | None = None,
                  tree: MedusaTree | None = None) -> None:
-        self.config = config
+        config = self.config = config.for_engine(getattr(target, "engine", "torch"))
         if heads is None:
             heads, tree = load_or_shipped(target, "medusa", config.drafter_path, HEADS, load_medusa_heads)
         tree = tree or chain_tree(heads.config.num_heads)

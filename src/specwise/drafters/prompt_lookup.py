@@ -3,6 +3,11 @@
 The last n committed tokens are searched for earlier in the context (prompt and generated text);
 the tokens that followed the match are proposed. n runs from ``max_ngram_size`` down to
 ``min_ngram_size``; proposals are deterministic, so verification uses the "delta" rule.
+
+The n tried by default depend on the sampling regime (:func:`ngram_sizes`): under greedy decoding
+what followed a short recurring suffix is often what the target says again, while a sampled text
+leaves such a copy within a token or two, and only a long recurring suffix (a passage the target
+is repeating) predicts what it samples next.
 """
 
 from __future__ import annotations
@@ -22,18 +27,55 @@ class PromptLookupConfig(DraftingConfig):
     """Options of ``pld``."""
 
     num_draft_tokens: int = 10  # tokens copied after a match (K)
-    max_ngram_size: int = 3  # longest suffix tried first
-    min_ngram_size: int = 1  # shortest suffix tried
+    # the suffix lengths tried, longest first; None = by the sampling regime (GREEDY_NGRAMS, SAMPLED_NGRAMS)
+    max_ngram_size: int | None = None
+    min_ngram_size: int | None = None
     match: Literal["earliest", "latest"] = "latest"  # which occurrence to copy from: "earliest" (the references) or "latest"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 1 <= self.min_ngram_size <= self.max_ngram_size:
-            raise ConfigError(
-                f"need 1 <= min_ngram_size <= max_ngram_size, got {self.min_ngram_size} and {self.max_ngram_size}."
-            )
+        check_ngram_sizes("min_ngram_size", self.min_ngram_size, "max_ngram_size", self.max_ngram_size)
         if self.match not in ("earliest", "latest"):
             raise ConfigError(f"match must be 'earliest' or 'latest', got {self.match!r}.")
+
+
+#: the suffix lengths ``(shortest, longest)`` prompt lookup tries by default under greedy decoding
+#: and when sampling (module docstring; measured in docs/benchmarks/pld-ngrams-greedy-report.md and
+#: pld-ngrams-t0.7-report.md)
+GREEDY_NGRAMS = (1, 3)
+SAMPLED_NGRAMS = (8, 12)
+
+
+def check_ngram_sizes(min_name: str, min_size: int | None, max_name: str, max_size: int | None) -> None:
+    """Refuse suffix lengths that are not integers >= 1, or a shortest above the longest (when both
+    are given; ``None`` = the regime's default).
+
+    Raises:
+        ConfigError: one sentence naming the option.
+    """
+    for name, size in ((min_name, min_size), (max_name, max_size)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ConfigError(f"{name} must be an integer >= 1, got {size!r}.")
+    if min_size is not None and max_size is not None and min_size > max_size:
+        raise ConfigError(f"need {min_name} <= {max_name}, got {min_size} and {max_size}.")
+
+
+def ngram_sizes(min_size: int | None, max_size: int | None, greedy: bool,
+                defaults: tuple[tuple[int, int], tuple[int, int]] = (GREEDY_NGRAMS, SAMPLED_NGRAMS)) -> tuple[int, int]:
+    """The suffix lengths ``(shortest, longest)`` to try: those given, the rest from the regime's
+    default (``defaults`` = greedy's and sampling's), a default bound moved to meet a given one.
+
+    Args:
+        min_size, max_size: as configured (``None`` = default).
+        greedy: whether the generation decodes greedily.
+    """
+    low, high = defaults[0] if greedy else defaults[1]
+    if max_size is not None:
+        high = max_size
+        low = min(low, high) if min_size is None else min_size
+    elif min_size is not None:
+        low, high = min_size, max(high, min_size)
+    return low, high
 
 
 def lookup_continuation(
@@ -77,8 +119,8 @@ class PromptLookupDrafter(Drafter):
         ids = ctx.token_ids
         if budget <= 0:
             return Proposal.empty(ids.device)
-        drafts = find_continuation(ids, budget, self.config.max_ngram_size, self.config.min_ngram_size,
-                                   self.config.match == "latest", self.eos_token_ids)
+        low, high = ngram_sizes(self.config.min_ngram_size, self.config.max_ngram_size, ctx.sampling.is_greedy)
+        drafts = find_continuation(ids, budget, high, low, self.config.match == "latest", self.eos_token_ids)
         return Proposal.empty(ids.device) if drafts is None else Proposal(drafts)
 
 
