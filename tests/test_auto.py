@@ -212,11 +212,14 @@ def test_a_drafter_an_unlucky_probe_made_look_slow_is_tried_again_while_uncertai
         assert result.stats.method_steps == [["ar", result.stats.target_forwards - 1]]
 
 
+@pytest.mark.parametrize("skip_taps", [False, True], ids=["taps-every-step", "taps-recomputed"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_switching_rebuilds_stateful_drafters_from_the_committed_context(arch):
+def test_switching_rebuilds_stateful_drafters_from_the_committed_context(arch, skip_taps):
     """Probing goes pld -> eagle -> medusa -> ar: EAGLE's head cache and Medusa's state are
     rebuilt from the hidden states auto kept for every committed position, which equal the target's
-    own in one forward over the context; the output is the target's greedy continuation."""
+    own in one forward over the context; the output is the target's greedy continuation. Where taps
+    cost (llama.cpp; forced here), steps of a candidate that reads none ask for none, and the switch
+    to EAGLE recomputes them."""
     target, prompt, continuation = _setup(arch)
     clock = FakeClock()
     eagle = EagleDrafter(target, EagleDrafterConfig(depth=3, tree_top_k=2, total_tokens=5, min_path_prob=0.0,
@@ -227,11 +230,17 @@ def test_switching_rebuilds_stateful_drafters_from_the_committed_context(arch):
                   "eagle": Costly(eagle, clock, 1.0), "medusa": Costly(medusa, clock, 1.0)},
                  clock, decide_every=3, probe_steps=3)
     assert set(auto.target_hidden_layers) == set(eagle.target_hidden_layers) | set(medusa.target_hidden_layers)
-    runs = []
+    auto.skip_taps, auto.target = skip_taps, target
+    runs, asked = [], []
     auto.start = lambda ctx: runs.append(AutoDrafter.start(auto, ctx)) or runs[-1]  # to look at it after
+    auto.step_hidden_layers = lambda state: asked.append(AutoDrafter.step_hidden_layers(auto, state)) or asked[-1]
     result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
     assert result.token_ids == list(continuation)
     assert [m for m, _ in result.stats.method_steps[:4]] == ["pld", "eagle", "medusa", "ar"]
+    assert (() in asked) == skip_taps and auto.target_hidden_layers in asked
+    if skip_taps:  # it ended on ar, without taps
+        assert runs[0]._gap and all(not rows for rows in runs[0]._hidden.values())
+        return
     ids = torch.cat([prompt, torch.tensor(continuation)])
     committed = prompt.numel() + len(continuation) - 1  # positions the target has processed
     fresh = target.forward(ids[:committed], target.new_cache(), num_logits=1,

@@ -111,6 +111,27 @@ def test_trained_methods_are_greedy_exact(files, make):
     assert result.stats.drafted_tokens > 0
 
 
+def test_auto_switching_into_a_trained_drafter_recomputes_its_hidden_states(files):
+    """On llama.cpp ``auto`` asks for no taps while a candidate that reads none runs; probing
+    pld -> eagle -> medusa -> ar (2 steps each) recomputes them at the switch to EAGLE, and the
+    output is still the engine's own plain decoding."""
+    from specwise.drafters.auto import AutoConfig, AutoDrafter
+    from specwise.drafters.auto_profile import AutoProfile
+    from specwise.drafters.autoregressive import AutoregressiveConfig, AutoregressiveDrafter
+    from specwise.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
+
+    _, target = files
+    truth, gap = plain_greedy(target, PROMPT, NEW)
+    candidates = {"pld": PromptLookupDrafter(target, PromptLookupConfig()), "eagle": _eagle(target),
+                  "medusa": _medusa(target), "ar": AutoregressiveDrafter(target, AutoregressiveConfig())}
+    auto = AutoDrafter(target, AutoConfig(remember=False, probe_steps=2, decide_every=2), candidates=candidates,
+                       profile=AutoProfile(None))
+    assert auto.skip_taps
+    result = specwise.generate(target, PROMPT, drafter=auto, max_new_tokens=NEW)
+    assert result.token_ids == truth, f"smallest top-two gap {gap:.3f}"
+    assert [m for m, _ in result.stats.method_steps[:4]] == ["pld", "eagle", "medusa", "ar"]
+
+
 def test_tree_budgets_default_by_engine_and_a_given_one_is_kept(files):
     """``min_path_prob`` left unset takes the engine's default (a verified row costs ggml a pass over
     the LM head, so fewer nodes pay); a value the user gives is used as given."""

@@ -193,6 +193,11 @@ class AutoDrafter(Drafter):
         self.target_hidden_layers = tuple(sorted({layer for d in self.candidates.values()
                                                   for layer in d.target_hidden_layers}))
         self.clock = clock
+        # on llama.cpp a hidden-state tap splits ggml's graph and copies the rows out (a step of `ar`
+        # with every candidate's taps costs measurably more, docs/llamacpp.md), so while the running
+        # candidate reads none auto asks for none, and a switch to one that does recomputes them; the
+        # torch forward returns hidden states at no extra cost, so there they are kept every step
+        self.skip_taps = getattr(target, "engine", "torch") != "torch"
         if profile is None:
             path = profile_path(target, default_cache_dir()) if config.remember else None
             profile = AutoProfile(path)
@@ -202,6 +207,9 @@ class AutoDrafter(Drafter):
 
     def start(self, ctx: DraftContext) -> AutoRun:
         return AutoRun(self, ctx)
+
+    def step_hidden_layers(self, state: AutoRun) -> tuple[int, ...]:
+        return state.step_hidden_layers()
 
     def active_method(self, state: AutoRun) -> str:
         return state.active or self.method
@@ -234,6 +242,7 @@ class AutoRun:
         self.state = None  # ... and its state
         self._mode = "greedy"
         self._hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in auto.target_hidden_layers}
+        self._gap = False  # a step ran without the taps: the kept hidden states miss positions
         self._step_start: float | None = None
         self._last_tokens = 0  # tokens the last verified step emitted
         self._this_text: dict[str, float] = {}  # candidates left in this generation for cause: their rate here
@@ -287,10 +296,30 @@ class AutoRun:
         self._last_tokens = feedback.num_accepted + 1
         self.candidates[self.active].observe(self.state, feedback)
 
+    def step_hidden_layers(self) -> tuple[int, ...]:
+        """Every candidate's layers, or none while the running candidate reads none where taps cost
+        (:attr:`AutoDrafter.skip_taps`)."""
+        if self.auto.skip_taps and not self.candidates[self.active].target_hidden_layers:
+            return ()
+        return self.auto.target_hidden_layers
+
     # ------------------------------------------------------------------ decisions
     def _keep_hidden(self, hidden_states: dict[int, torch.Tensor]) -> None:
+        if self._gap or any(layer not in hidden_states for layer in self._hidden):
+            self._gap = True  # rows are recomputed when a candidate needs them (_switch)
+            self._hidden = {layer: [] for layer in self._hidden}
+            return
         for layer, rows in self._hidden.items():
             rows.append(hidden_states[layer])
+
+    def _recompute_hidden(self, ctx: DraftContext) -> None:
+        """The hidden states at every committed position but the root, from one forward of the
+        context through a cache of its own (the generation's cache is not touched)."""
+        target = self.auto.target
+        out = target.forward(ctx.token_ids[:-1], target.new_cache(), num_logits=1,
+                             hidden_layers=self.auto.target_hidden_layers)
+        self._hidden = {layer: [out.hidden_states[layer]] for layer in self._hidden}
+        self._gap = False
 
     def _first_steps(self, seconds: float, ctx: DraftContext) -> None:
         """A candidate's first step after it started is not a measurement of its speed: a stateful
@@ -395,6 +424,8 @@ class AutoRun:
         start = self.clock()
         if self.active is not None:
             self.candidates[self.active].finish(self.state)
+        if self._gap and drafter.target_hidden_layers:
+            self._recompute_hidden(ctx)
         hidden = {layer: torch.cat(self._hidden[layer]) for layer in drafter.target_hidden_layers}
         self.state = drafter.start(DraftContext(token_ids=ctx.token_ids, max_draft_tokens=0, sampling=ctx.sampling,
                                                 generator=ctx.generator, cache_length=ctx.cache_length,

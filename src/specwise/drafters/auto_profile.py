@@ -25,8 +25,10 @@ import torch
 #: segments of every generation: recent requests count most, one odd text does not erase the rest)
 MEMORY = 0.1
 
-#: the file's layout; a file of another (older) layout is measured afresh rather than misread
-VERSION = 3
+#: the file's layout and the revision of the methods' defaults its speeds were measured with; a file
+#: of another one is measured afresh rather than misread (4: prompt lookup's suffix lengths when
+#: sampling, the tree budgets on llama.cpp)
+VERSION = 4
 
 
 @dataclass

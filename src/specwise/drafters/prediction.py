@@ -150,6 +150,9 @@ class PredictionDrafter(Drafter):
     def active_method(self, state: PredictionState) -> str:
         return self.inner.active_method(state.inner)
 
+    def step_hidden_layers(self, state: PredictionState) -> tuple[int, ...]:
+        return self.inner.step_hidden_layers(state.inner)
+
     def start(self, ctx: DraftContext) -> PredictionState:
         copy = PredictionLookup(self.prediction.to(ctx.token_ids.device), self.config, self.eos_token_ids)
         return PredictionState(copy, self.inner.start(ctx))

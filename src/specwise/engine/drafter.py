@@ -42,6 +42,13 @@ class Drafter(ABC):
         it runs); recorded per step in ``SpecStats.method_steps``."""
         return self.method or type(self).__name__
 
+    def step_hidden_layers(self, state: Any) -> tuple[int, ...]:
+        """The hidden-state layers the loop asks the target for at the next verification step
+        (default: ``target_hidden_layers``, every step; the prefill always asks for all of them). A
+        composite drafter whose running candidate reads none may return fewer, and then finds the
+        layers of those steps missing from ``StepFeedback.hidden_states``."""
+        return self.target_hidden_layers
+
     def start(self, ctx: DraftContext) -> Any:
         """A new generation, called once with the prompt and the first target token (the first
         root, ``ctx.max_draft_tokens == 0``; ``ctx.hidden_states`` at every prompt position).

@@ -94,7 +94,7 @@ def speculative_generate(
             # 2.-4. verify in one target forward, accept, keep the accepted path in the cache
             t1 = clock.now()
             step = verify_proposal(target, cache, committed[:length], proposal, budget=budget, sampling=sampling,
-                                   generator=generator, hidden_layers=layers)
+                                   generator=generator, hidden_layers=drafter.step_hidden_layers(state))
             t2 = clock.now()
             new = step.accepted + [step.next_token]
             committed[length: length + len(new)] = torch.tensor(new, dtype=torch.long)

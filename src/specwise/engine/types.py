@@ -134,9 +134,10 @@ class StepFeedback:
         num_drafted: draft tokens verified this step.
         num_accepted: of those, how many were accepted (the bonus token excluded).
         cache_length: tokens in the target's KV cache after the commit (``T'``).
-        hidden_states: for each layer in the drafter's ``target_hidden_layers``, the target's
-            hidden states ``[num_accepted + 1, H]`` at the positions kept this step (the old root
-            and the accepted drafts).
+        hidden_states: for each layer the drafter asked for this step
+            (:meth:`~specwise.engine.drafter.Drafter.step_hidden_layers`), the target's hidden
+            states ``[num_accepted + 1, H]`` at the positions kept this step (the old root and the
+            accepted drafts).
         accepted_nodes: for tree proposals, the accepted draft indices into ``Proposal.tokens``.
         aux_logits: ``[R, V]`` target logits of the requested auxiliary rows, if any.
     """
