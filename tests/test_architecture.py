@@ -2,7 +2,7 @@
 
 Layers, lowest first (a module may import its own layer and the ones below it):
 
-- ``errors``, ``prompts``: leaves;
+- ``errors``, ``checks`` (the option checks every layer shares), ``prompts``: leaves;
 - ``engine``: the decoding core: the loop, the one-forward verification step, the pure
   verification maths, the tree, sampling, stopping, types, the target and drafter interfaces, the
   cost model and the forward timing (calibration);
@@ -33,7 +33,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 #: each layer's top-level names under ``specwise``; "" is the package root
-LAYERS = (("errors", "prompts"), ("engine",), ("targets",), ("models",), ("interop",), ("drafters",), ("api",), ("serve",), ("training",), ("lab",),
+LAYERS = (("errors", "checks", "prompts"), ("engine",), ("targets",), ("models",), ("interop",), ("drafters",), ("api",), ("serve",), ("training",), ("lab",),
           ("cli", "commands", ""))
 
 

@@ -16,9 +16,10 @@ import torch
 
 import specwise
 from conftest import OracleDrafter, RandomDrafter, greedy_continuation, make_target, random_prompt, repetitive_prompt
-from specwise.drafters.auto import PROBE_TEXTS, AutoConfig, AutoDrafter
+from specwise.drafters.auto import PROBE_TEXTS, AutoConfig, AutoDrafter, default_candidates
 from specwise.drafters.auto_profile import AutoProfile, Estimate, profile_path, regime
 from specwise.drafters.autoregressive import AutoregressiveConfig, AutoregressiveDrafter
+from specwise.drafters.base import METHODS, MethodSpec
 from specwise.drafters.eagle import EagleDrafter, EagleDrafterConfig
 from specwise.drafters.medusa import MedusaDrafter, MedusaDrafterConfig
 from specwise.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
@@ -346,3 +347,15 @@ def test_bad_auto_options_are_one_clear_error():
         specwise.build_drafter(target, "auto", candidates="ar,nope")
     with pytest.raises(DrafterError, match="needs an EAGLE head"):
         specwise.build_drafter(target, "auto", candidates="ar,eagle")  # named, so not skipped
+
+
+def test_the_default_candidates_come_from_the_registry(monkeypatch):
+    """A method is a default candidate because its registration says so: a new one registered (a
+    test-only method here) is probed without ``auto`` naming it; ``auto`` itself is not one."""
+    assert "auto" not in default_candidates() and default_candidates()[0] == "ar"
+    assert {"pld", "lookahead", "draft", "eagle", "medusa", "dflash"} <= set(default_candidates())
+    ar = METHODS.get("ar")
+    monkeypatch.setitem(METHODS._specs, "echo", MethodSpec("echo", ar.config_cls, ar.factory, "test only", order=15))
+    monkeypatch.setitem(METHODS._specs, "hidden", MethodSpec("hidden", ar.config_cls, ar.factory, "test only",
+                                                              auto_candidate=False))
+    assert default_candidates()[:3] == ["ar", "pld", "echo"] and "hidden" not in default_candidates()

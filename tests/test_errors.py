@@ -13,11 +13,11 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import specwise
 from conftest import make_model, make_target, random_prompt
+from specwise.checks import check_flag, check_int, check_probability
 from specwise.drafters import base
 from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter
 from specwise.engine.drafter import Drafter
 from specwise.errors import ConfigError, DrafterError, PromptError, SpecwiseError, TargetLoadError
-from specwise.models.common import check_flag, check_int, check_probability
 
 
 @pytest.fixture(scope="module")

@@ -67,11 +67,6 @@ EVIDENCE = 2.0
 #: drafters chosen run for hundreds of steps, is probed last
 PROBE_TEXTS = 2
 
-#: the candidates by default, in probing order: every method that runs on the target (a trained
-#: drafter only where one ships for it, or its default draft model exists)
-DEFAULT_CANDIDATES = ("ar", "pld", "lookahead", "eagle", "medusa", "dflash", "draft")
-
-
 @dataclass(frozen=True)
 class AutoConfig(MethodConfig):
     """Options of ``auto``."""
@@ -98,6 +93,13 @@ class AutoConfig(MethodConfig):
                     raise ConfigError("auto cannot be one of its own candidates.")
 
 
+def default_candidates() -> list[str]:
+    """The candidates by default, in probing order: every registered method that declares itself
+    one (``auto_candidate``), in listing order; :func:`build_candidates` keeps those that run on the
+    target (a trained drafter only where one ships for it, a draft model where its default exists)."""
+    return [spec.name for spec in METHODS.listed() if spec.auto_candidate]
+
+
 def build_candidates(target, config: AutoConfig) -> dict[str, Drafter]:
     """The candidate drafters for ``target``, by spec.
 
@@ -108,7 +110,7 @@ def build_candidates(target, config: AutoConfig) -> dict[str, Drafter]:
     """
 
     explicit = config.candidates is not None
-    specs = split_specs(config.candidates) if explicit else list(DEFAULT_CANDIDATES)
+    specs = split_specs(config.candidates) if explicit else default_candidates()
     built: dict[str, Drafter] = {}
     for spec in specs:
         name, options = split_spec(spec)
@@ -170,7 +172,7 @@ class Segment:
 
 
 @register_drafter("auto", AutoConfig, "picks the method per request from measured speed, re-deciding as "
-                  "acceptance changes", order=5)
+                  "acceptance changes", order=5, auto_candidate=False)
 class AutoDrafter(Drafter):
     """The composite drafter behind ``method="auto"``.
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
+from specwise.checks import check_flag, check_int, check_probability
 from specwise.engine.drafter import Drafter
 from specwise.errors import ConfigError, DrafterError
-from specwise.models.common import check_flag, check_int, check_probability
 
 __all__ = ["Drafter", "DraftingConfig", "METHODS", "MethodConfig", "MethodRegistry", "MethodSpec", "check_flag",
            "check_int", "check_probability", "check_probability_threshold", "register_drafter"]
@@ -156,13 +156,15 @@ class DraftingConfig(MethodConfig):
 @dataclass(frozen=True)
 class MethodSpec:
     """A registered method: its name, options dataclass, factory ``(target, config) -> Drafter``, a
-    one-line summary, and its place in listings such as the demo (``order``, lowest first)."""
+    one-line summary, its place in listings such as the demo (``order``, lowest first), and whether
+    ``auto`` chooses among it by default (``auto_candidate``; probed in listing order)."""
 
     name: str
     config_cls: type[MethodConfig]
     factory: Callable[[Any, MethodConfig], Drafter]
     summary: str
     order: int = 100
+    auto_candidate: bool = True
 
     @property
     def option_names(self) -> frozenset[str]:
@@ -202,9 +204,11 @@ class MethodRegistry:
     def __init__(self) -> None:
         self._specs: dict[str, MethodSpec] = {}
 
-    def register(self, name: str, config_cls: type[MethodConfig], summary: str, *, order: int = 100):
+    def register(self, name: str, config_cls: type[MethodConfig], summary: str, *, order: int = 100,
+                 auto_candidate: bool = True):
         """Decorator registering a drafter factory (usually the drafter class) under ``name``;
-        ``order`` places the method in :meth:`listed` (lowest first, then by name)."""
+        ``order`` places the method in :meth:`listed` (lowest first, then by name);
+        ``auto_candidate=False`` keeps it out of ``auto``'s default candidates."""
 
         def decorate(factory):
             if name in self._specs:
@@ -212,7 +216,7 @@ class MethodRegistry:
             clash = sorted({f.name for f in dataclasses.fields(config_cls)} & RESERVED_OPTION_NAMES)
             if clash:
                 raise ValueError(f"method {name!r} has options named like generate() arguments: {', '.join(clash)}")
-            self._specs[name] = MethodSpec(name, config_cls, factory, summary, order)
+            self._specs[name] = MethodSpec(name, config_cls, factory, summary, order, auto_candidate)
             if isinstance(factory, type):
                 factory.method = name
             return factory

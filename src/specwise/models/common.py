@@ -3,9 +3,9 @@
 - :func:`rotary`: rotary position embedding (EAGLE, DFlash); ``ACTIVATIONS``: their MLP activations;
 - :class:`HeadCache`: a growable KV cache of committed entries (EAGLE's head, each DFlash layer);
 - :class:`Borrowed`: the target tensors a drafter uses but never stores (embeddings, LM-head rows);
-- :func:`check_taps_and_vocabulary`: a drafter's feature taps and draft vocabulary against the target;
-- option checks (:func:`check_int`, :func:`check_probability`, :func:`check_flag`), used by the
-  model configs here and by the method options in :mod:`specwise.drafters`.
+- :func:`check_taps_and_vocabulary`: a drafter's feature taps and draft vocabulary against the target.
+
+The option checks the model configs use are :mod:`specwise.checks`'.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specwise.checks import check_int
 from specwise.errors import ConfigError, DrafterError
 from specwise.targets.kv_cache import grown_capacity
 
@@ -21,18 +22,6 @@ from specwise.targets.kv_cache import grown_capacity
 ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
 
-def check_int(name: str, value: object, minimum: int = 1, *, optional: bool = False) -> None:
-    """Refuse anything but an integer ``>= minimum`` (``None`` too when ``optional``).
-
-    Booleans are refused: the option text ``true`` parses to one, and would read as 1.
-
-    Raises:
-        ConfigError: ``value`` is not such an integer.
-    """
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}.")
 
 
 class AttentionShape:
@@ -68,27 +57,8 @@ class AttentionShape:
             raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.kv_heads}).")
 
 
-def check_probability(name: str, value: object, *, zero: bool = True, one: bool = False) -> None:
-    """Refuse a value that is not a probability in the interval given by ``zero`` / ``one``
-    (whether 0 and 1 are allowed; the default is ``[0, 1)``).
-
-    Raises:
-        ConfigError: ``value`` is not a number in that interval.
-    """
-    low, high = ("[" if zero else "("), ("]" if one else ")")
-    number = not isinstance(value, bool) and isinstance(value, (int, float))
-    if not number or not ((0.0 <= value) if zero else (0.0 < value)) or not ((value <= 1.0) if one else (value < 1.0)):
-        raise ConfigError(f"{name} must be a probability in {low}0, 1{high}, got {value!r}.")
 
 
-def check_flag(name: str, value: object) -> None:
-    """Refuse a non-bool value for an on/off option (the text ``"false"`` would read as on).
-
-    Raises:
-        ConfigError: ``value`` is not a bool.
-    """
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be true or false, got {value!r}.")
 
 
 def check_taps_and_vocabulary(target, feature_layers: tuple[int, ...], vocab: torch.Tensor, size: int) -> None:

@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specwise.checks import check_int
 from specwise.errors import ConfigError
-from specwise.models.common import ACTIVATIONS, AttentionShape, Borrowed, check_int, check_taps_and_vocabulary, rotary
+from specwise.models.common import ACTIVATIONS, AttentionShape, Borrowed, check_taps_and_vocabulary, rotary
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specwise.checks import check_int
 from specwise.errors import DrafterError
-from specwise.models.common import Borrowed, check_int
+from specwise.models.common import Borrowed
 
 
 @dataclass(frozen=True)

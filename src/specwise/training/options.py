@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from specwise.checks import check_choice, check_int, check_positive
 from specwise.errors import ConfigError
 from specwise.training.features import FeatureConfig
 from specwise.training.losses import DistillLoss
@@ -50,35 +51,10 @@ def default_of(cls: type, name: str) -> Any:
     return field.default
 
 
-def check_int(name: str, value: Any, minimum: int | None = None) -> None:
-    """Refuse anything but an integer (a bool is not one), or one below ``minimum``.
-
-    Raises:
-        ConfigError: ``value`` is not such an integer.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-        bound = "" if minimum is None else f" >= {minimum}"
-        raise ConfigError(f"{name} must be an integer{bound}, got {value!r}.")
 
 
-def check_positive(name: str, value: Any) -> None:
-    """Refuse anything but a number ``> 0``.
-
-    Raises:
-        ConfigError: ``value`` is not a positive number.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{name} must be a number > 0, got {value!r}.")
 
 
-def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    """Refuse a value outside ``choices``.
-
-    Raises:
-        ConfigError: ``value`` is not one of ``choices``.
-    """
-    if value not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}.")
 
 
 @dataclass(frozen=True)
@@ -120,7 +96,7 @@ class TrainOptions:
         for name in ("batch_tokens", "grad_accum", "draft_vocab_size", "top_k"):
             check_int(name, getattr(self, name), 1)
         check_int("validate_every", self.validate_every, 0)
-        check_int("seed", self.seed)
+        check_int("seed", self.seed, None)
         check_choice("loss_on", self.loss_on, LOSS_ON)
         check_choice("precision", self.precision, PRECISIONS)
         self.distill_loss()  # checks tv_weight and tv_temperatures

@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specwise.checks import check_int
 from specwise.errors import ConfigError
 from specwise.models.dflash import DFlashConfig, DFlashModel
-from specwise.training.options import check_int, default_of, option, redefault
+from specwise.training.options import default_of, option, redefault
 from specwise.training.pipeline import TrainingJob, TrainingPlan, train_and_save
 from specwise.training.recipes.base import register_recipe
 from specwise.training.recipes.draft import DraftRecipeConfig

@@ -25,12 +25,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specwise.checks import check_int
 from specwise.errors import ConfigError
 from specwise.models.draft_lm import DraftLM, DraftLMConfig
 from specwise.training.acceptance import ChainAcceptance, replay_chain
 from specwise.training.features import iter_labelled
 from specwise.training.losses import DistillLoss
-from specwise.training.options import LOSS_ON, TrainOptions, check_int, default_of, option, redefault
+from specwise.training.options import LOSS_ON, TrainOptions, default_of, option, redefault
 from specwise.training.pipeline import TrainingJob, TrainingPlan, featurize, train_and_save
 from specwise.training.recipes.base import register_recipe
 from specwise.training.trainer import Recipe

@@ -26,12 +26,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specwise.checks import check_int
 from specwise.errors import ConfigError
 from specwise.models.medusa import MedusaConfig, MedusaHeads, final_hidden_layer
 from specwise.training.acceptance import ChainAcceptance, replay_depths
 from specwise.training.features import iter_labelled
 from specwise.training.losses import DistillLoss
-from specwise.training.options import LOSS_ON, TrainOptions, check_int, default_of, option, redefault
+from specwise.training.options import LOSS_ON, TrainOptions, default_of, option, redefault
 from specwise.training.pipeline import TrainingJob, TrainingPlan, featurize, taps_features_dir, train_and_save
 from specwise.training.recipes.base import register_recipe
 from specwise.training.recipes.draft import is_validation
