@@ -141,16 +141,20 @@ def test_clients_that_give_up_while_queued_leave_the_queue_at_once(server):
     _wait_for(lambda: _health(server)["waiting"] == 0, "the abandoned streams to leave the queue", timeout=5)
     metrics = httpx.get(f"{server.url}/metrics").text
     assert "specwise_queue_depth 0.0" in metrics
-    # a later burst as large as the queue is admitted, none of it refused
+    # a later burst as large as the queue is admitted, none of it refused; behind a fresh long stream,
+    # so the worker is still busy while the burst queues however slowly a loaded machine runs the test
+    running.join(timeout=120)
+    _wait_for(lambda: _health(server)["running"] == 0, "the first long stream to end")
+    blocker = Stream(server, LONG, AUTH)
+    _wait_for(lambda: _health(server)["running"] == 1, "the second long stream to run")
     burst = [Stream(server, {**LONG, "prompt": PROMPT, "max_tokens": 4}, AUTH) for _ in range(3)]
     _wait_for(lambda: _health(server)["waiting"] == 3, "the burst to queue")
     with httpx.stream("POST", f"{server.url}/v1/completions", json=LONG, headers=AUTH, timeout=30) as refused:
         assert refused.status_code == 503  # the queue is full again, and only now
-    for stream in burst:
+    for stream in (*burst, blocker):
         stream.join(timeout=120)
-    running.join(timeout=120)
     assert [s.status for s in burst] == [200, 200, 200]
-    assert all(s.lines[-1] == "data: [DONE]" for s in (*burst, running))
+    assert all(s.lines[-1] == "data: [DONE]" for s in (*burst, running, blocker))
 
 
 def test_a_reader_slower_than_generation_gets_the_whole_text(server, model_dir):
