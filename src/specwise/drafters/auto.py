@@ -307,8 +307,10 @@ class AutoRun:
 
     # ------------------------------------------------------------------ decisions
     def _keep_hidden(self, hidden_states: dict[int, torch.Tensor]) -> None:
-        if self._gap or any(layer not in hidden_states for layer in self._hidden):
-            self._gap = True  # rows are recomputed when a candidate needs them (_switch)
+        if self._gap:
+            return  # rows are recomputed when a candidate needs them (_switch)
+        if any(layer not in hidden_states for layer in self._hidden):
+            self._gap = True
             self._hidden = {layer: [] for layer in self._hidden}
             return
         for layer, rows in self._hidden.items():

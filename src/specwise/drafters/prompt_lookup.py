@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from specwise.drafters.base import Drafter, DraftingConfig, register_drafter
+from specwise.drafters.base import Drafter, DraftingConfig, check_int, register_drafter
 from specwise.engine.types import DraftContext, Proposal
 from specwise.errors import ConfigError
 
@@ -53,23 +53,21 @@ def check_ngram_sizes(min_name: str, min_size: int | None, max_name: str, max_si
     Raises:
         ConfigError: one sentence naming the option.
     """
-    for name, size in ((min_name, min_size), (max_name, max_size)):
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ConfigError(f"{name} must be an integer >= 1, got {size!r}.")
+    check_int(min_name, min_size, optional=True)
+    check_int(max_name, max_size, optional=True)
     if min_size is not None and max_size is not None and min_size > max_size:
         raise ConfigError(f"need {min_name} <= {max_name}, got {min_size} and {max_size}.")
 
 
-def ngram_sizes(min_size: int | None, max_size: int | None, greedy: bool,
-                defaults: tuple[tuple[int, int], tuple[int, int]] = (GREEDY_NGRAMS, SAMPLED_NGRAMS)) -> tuple[int, int]:
+def ngram_sizes(min_size: int | None, max_size: int | None, greedy: bool) -> tuple[int, int]:
     """The suffix lengths ``(shortest, longest)`` to try: those given, the rest from the regime's
-    default (``defaults`` = greedy's and sampling's), a default bound moved to meet a given one.
+    default (:data:`GREEDY_NGRAMS`, :data:`SAMPLED_NGRAMS`), a default bound moved to meet a given one.
 
     Args:
         min_size, max_size: as configured (``None`` = default).
         greedy: whether the generation decodes greedily.
     """
-    low, high = defaults[0] if greedy else defaults[1]
+    low, high = GREEDY_NGRAMS if greedy else SAMPLED_NGRAMS
     if max_size is not None:
         high = max_size
         low = min(low, high) if min_size is None else min_size

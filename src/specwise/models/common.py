@@ -5,7 +5,7 @@
 - :class:`Borrowed`: the target tensors a drafter uses but never stores (embeddings, LM-head rows);
 - :func:`check_taps_and_vocabulary`: a drafter's feature taps and draft vocabulary against the target.
 
-The option checks the model configs use are :mod:`specwise.checks`'.
+The model configs check their options with :mod:`specwise.checks`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from specwise.targets.kv_cache import grown_capacity
 
 # the gated MLPs' activations, by the names configs use (HF ``hidden_act``: gelu_pytorch_tanh = gelu_tanh)
 ACTIVATIONS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
-
-
 
 
 class AttentionShape:
@@ -55,10 +53,6 @@ class AttentionShape:
             raise ConfigError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}.")
         if self.num_heads % self.kv_heads:
             raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.kv_heads}).")
-
-
-
-
 
 
 def check_taps_and_vocabulary(target, feature_layers: tuple[int, ...], vocab: torch.Tensor, size: int) -> None:
