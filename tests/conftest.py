@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats as scipy_stats
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import specwise
@@ -49,6 +49,51 @@ def make_tokenizer(vocab_size: int = VOCAB) -> PreTrainedTokenizerFast:
     special = lambda text: AddedToken(text, single_word=True, special=True)  # noqa: E731
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=special("t0"), eos_token=special("t1"),
                                    bos_token=special("t2"))
+
+
+#: a text vocabulary for the grammar tests' tiny targets: the three specials, printable ASCII, and
+#: two-character pieces (so a text has several tokenizations, as with a real BPE vocabulary)
+TEXT_PIECES = tuple(chr(c) for c in range(32, 127)) + (
+    '{"', '":', '",', '"}', '""', "ab", "an", "er", "in", "th", "re", "on", "at", "en", "es", "or", "te", "ed",
+    "is", "it", "al", "ar", "st", "to", "nt", "ng", "se", "ha", "as", "ou")
+
+
+def make_text_tokenizer(pieces: Sequence[str] = TEXT_PIECES) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer over ``<unk>`` (0), ``<eos>`` (1), ``<bos>`` (2) and ``pieces``
+    (ids 3, 4, ...; one or two characters each), built offline: a tokenizer a grammar engine can
+    read, for tiny targets whose vocabulary is ``3 + len(pieces)`` tokens."""
+    byte_chars = _byte_level_chars()
+    encode = lambda text: "".join(byte_chars[b] for b in text.encode())  # noqa: E731
+    vocab = {"<unk>": 0, "<eos>": 1, "<bos>": 2}
+    for piece in pieces:
+        vocab[encode(piece)] = len(vocab)
+    merges = [(encode(p[0]), encode(p[1])) for p in pieces if len(p) == 2]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    special = lambda text: AddedToken(text, special=True)  # noqa: E731
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=special("<unk>"), eos_token=special("<eos>"),
+                                   bos_token=special("<bos>"))
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte-to-character map (printable bytes stand for themselves, the rest for U+0100 on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return chars
+
+
+def make_text_target(arch: str = "llama", seed: int = 0, pieces: Sequence[str] = TEXT_PIECES, *,
+                     eos: Sequence[int] | None = None) -> Target:
+    """A tiny target over :func:`make_text_tokenizer`'s vocabulary (``3 + len(pieces)`` tokens)."""
+    tokenizer = make_text_tokenizer(pieces)
+    model = make_model(arch, seed, vocab_size=len(tokenizer))
+    target = Target(model, tokenizer, f"tiny-text-{arch}-{seed}")
+    if eos is not None:
+        target.eos_token_ids = frozenset(eos)
+    return target
 
 
 def make_model(arch: str = "llama", seed: int = 0, vocab_size: int = VOCAB, dtype=torch.float64,

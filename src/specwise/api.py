@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -14,6 +15,7 @@ from specwise.drafters import METHODS, Drafter
 from specwise.drafters.base import check_engine, warn_renamed
 from specwise.drafters.checkpoint import is_checkpoint, read_config, shipped_drafter
 from specwise.drafters.prediction import PredictionDrafter, prediction_ids
+from specwise.engine.grammar import Grammar, GrammarCompiler, grammar_source
 from specwise.engine.loop import speculative_generate
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.token_ids import check_token_ids
@@ -24,6 +26,8 @@ from specwise.targets.engine_choice import check_engine_name
 #: drafters :func:`generate` keeps per target for the option sets it was called with (least
 #: recently used dropped): a drafter is shared, so repeated calls reuse one
 KEPT_DRAFTERS = 8
+#: compiled grammars :func:`compile_response_format` keeps per target (least recently used dropped)
+KEPT_GRAMMARS = 32
 
 
 def build_drafter(target, method: str, **options: Any) -> Drafter:
@@ -134,6 +138,7 @@ def generate(
     include_stop: bool = True,
     prediction: str | Sequence[int] | None = None,
     ignore_eos: bool = False,
+    response_format: Mapping[str, Any] | None = None,
     **method_options: Any,
 ) -> GenerationResult:
     """Generate text with lossless speculative decoding.
@@ -177,6 +182,13 @@ def generate(
             e.g. the code being edited. It becomes a second drafting source next to ``method``
             (:class:`specwise.drafters.prediction.PredictionDrafter`); the output stays exactly the
             target's. ``stats.prediction_accepted_tokens`` / ``prediction_rejected_tokens`` count it.
+        response_format: constrain the output (OpenAI's shapes): ``{"type": "json_object"}``,
+            ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``, or
+            ``{"type": "regex", "pattern": ...}`` / ``{"type": "grammar", "grammar": ..., "syntax":
+            "lark" | "gbnf"}`` (:func:`specwise.engine.grammar.grammar_source`). The output is
+            distributed exactly as the target's with the grammar's mask applied before the sampling
+            options, under every method; it ends (``finish_reason == "stop"``) where the grammar is
+            complete, or at ``max_new_tokens`` (then it need not parse).
         **method_options: the method's options, e.g. ``num_draft_tokens=8``, ``drafter_path=PATH``.
 
     Returns:
@@ -191,10 +203,12 @@ def generate(
             shape than those above or outside the vocabulary, or prompt + ``max_new_tokens`` beyond the
             target's context; both or neither of ``prompt`` and ``messages``, malformed messages, or
             messages for a target without a chat template.
-        ConfigError: options out of range or of the wrong type (``stop``, ``seed`` included).
+        ConfigError: options out of range or of the wrong type (``stop``, ``seed`` included);
+            a bad ``response_format``, schema, regex or grammar (:class:`~specwise.engine.grammar.GrammarError`).
         DrafterError: unknown method, a bad drafter, or a drafter built for another target.
     """
     sampling = SamplingConfig(temperature, top_k, top_p, repetition_penalty)
+    grammar = compile_response_format(target, response_format)
     check_seed(seed)
     stop = check_stop_strings(stop)
     if not isinstance(include_stop, bool):
@@ -248,12 +262,44 @@ def generate(
     result = speculative_generate(
         target, running, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
         generator=generator, stop_strings=stop, streamer=streamer, text_streamer=text_streamer,
-        eos_token_ids=eos_token_ids, include_stop=include_stop,
+        eos_token_ids=eos_token_ids, include_stop=include_stop, grammar=grammar,
     )
     if prediction is not None:
         result.stats.prediction_accepted_tokens = running.accepted_tokens
         result.stats.prediction_rejected_tokens = running.rejected_tokens
     return result
+
+
+def compile_response_format(target, response_format: Mapping[str, Any] | None) -> Grammar | None:
+    """A ``response_format`` compiled for ``target`` (``None`` for unconstrained text). The
+    target's tokenizer is read for the grammar engine once and kept on the target, with the
+    :data:`KEPT_GRAMMARS` formats compiled last.
+
+    Raises:
+        GrammarError: a bad format, schema, regex or grammar, in one sentence.
+        ConfigError: a tokenizer the grammar engine cannot read.
+    """
+    if response_format is None:
+        return None
+    if grammar_source(response_format) is None:  # {"type": "text"}, after its shape is checked
+        return None
+    key = json.dumps(response_format, sort_keys=True, default=repr)
+    lock = target.__dict__.setdefault("_grammar_lock", threading.Lock())
+    with lock:
+        compiler = target.__dict__.get("_grammar_compiler")
+        if compiler is None:
+            compiler = GrammarCompiler(target.tokenizer, target.vocab_size,
+                                       target.eos_token_ids | target.end_of_turn_ids)
+            target.__dict__["_grammar_compiler"] = compiler
+        kept = target.__dict__.setdefault("_kept_grammars", OrderedDict())
+        grammar = kept.pop(key, None)
+    if grammar is None:
+        grammar = compiler.compile(response_format)
+    with lock:
+        kept[key] = grammar
+        while len(kept) > KEPT_GRAMMARS:
+            kept.popitem(last=False)
+    return grammar
 
 
 def check_seed(seed) -> None:

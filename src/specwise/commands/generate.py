@@ -12,6 +12,7 @@ from rich.console import Console
 from specwise.api import check_seed, check_stop_strings, check_text, engine_for, generate, spec_and_config
 from specwise.drafters.checkpoint import shipped_drafter
 from specwise.drafters.spec import parse_option_value
+from specwise.engine.grammar import grammar_source
 from specwise.engine.sampling import SamplingConfig
 from specwise.errors import ConfigError, DrafterError, PromptError
 from specwise.lab.report import stats_table
@@ -54,6 +55,47 @@ def _add_generate_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--engine", default="auto", choices=["auto", *ENGINES], help=ENGINE_HELP + " (default auto)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    constrain = p.add_mutually_exclusive_group()
+    constrain.add_argument("--json-schema", default=None, metavar="FILE",
+                           help="constrain the output to JSON matching the schema in FILE")
+    constrain.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
+    constrain.add_argument("--regex", default=None, metavar="PATTERN", help="constrain the output to match PATTERN")
+    constrain.add_argument("--grammar", default=None, metavar="FILE",
+                           help="constrain the output to the grammar in FILE (Lark; GBNF if it ends in .gbnf)")
+
+
+def response_format(args: argparse.Namespace) -> dict | None:
+    """The ``response_format`` the constraint options ask for (``None``: none), its files read and
+    its shape checked before any model loads.
+
+    Raises:
+        ConfigError: a file that cannot be read, a schema that is not JSON, a bad shape.
+    """
+    if args.json_object:
+        fmt = {"type": "json_object"}
+    elif args.regex is not None:
+        fmt = {"type": "regex", "pattern": args.regex}
+    elif args.json_schema is not None:
+        try:
+            schema = json.loads(_read(args.json_schema, "--json-schema"))
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--json-schema {args.json_schema} is not JSON: {exc.msg} at line {exc.lineno}.") from None
+        fmt = {"type": "json_schema", "json_schema": {"name": Path(args.json_schema).stem, "schema": schema}}
+    elif args.grammar is not None:
+        fmt = {"type": "grammar", "grammar": _read(args.grammar, "--grammar"),
+               "syntax": "gbnf" if args.grammar.endswith(".gbnf") else "lark"}
+    else:
+        return None
+    grammar_source(fmt)
+    return fmt
+
+
+def _read(path: str, option: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+        raise ConfigError(f"{option} {path} cannot be read: {reason}.") from None
 
 
 def method_options(args: argparse.Namespace) -> dict:
@@ -110,6 +152,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
     check_stop_strings(args.stop)
+    fmt = response_format(args)
     options = method_options(args)
     spec, config = spec_and_config(args.method, **options)
     if spec.needs_weights:  # a trained drafter: fail before the (slower) target load
@@ -131,7 +174,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         target, args.prompt, messages=messages, method=args.method, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
-        text_streamer=streamer, **options,
+        text_streamer=streamer, response_format=fmt, **options,
     )
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,

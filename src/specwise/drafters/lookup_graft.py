@@ -27,7 +27,6 @@ import torch
 
 from specwise.drafters.base import MethodConfig, check_int, check_probability_threshold
 from specwise.drafters.prompt_lookup import find_continuation
-from specwise.engine.tree import graft_chain
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError
 
@@ -120,40 +119,13 @@ class LookupGraft:
         return min(lookup_length(self.acceptance, cfg.lookup_tokens, cfg.lookup_min_prob), ctx.max_draft_tokens)
 
     def graft(self, proposal: Proposal, chain: torch.Tensor | None) -> Proposal:
-        """Add this step's lookup to a drafter's proposal.
-
-        Args:
-            proposal: a chain or tree, of delta proposals or of sampled drafts (with ``draft_probs``).
-            chain: ``[L]`` long, the lookup from :meth:`lookup`, or ``None``.
-
-        Returns:
-            ``proposal`` itself when there is no lookup or the tree already holds it; otherwise a
-            tree proposal whose first nodes are ``proposal``'s (same order) and whose new nodes
-            hold the lookup's tokens. Onto sampled drafts the new nodes go as deterministic
-            proposals (one-hot rows of ``draft_probs``), each tried after its parent's drawn
-            children, which the merge keeps distinct from it: the verification stays exact
-            (rule ``"without_replacement"``; a sampled chain's nodes are each their parent's
-            only drawn child).
+        """Add this step's lookup to a drafter's proposal (:meth:`Proposal.with_chain`; ``proposal``
+        itself when there is no lookup).
 
         Raises:
             ValueError: ``proposal`` carries auxiliary tokens (they cannot be merged).
         """
-        if chain is None:
-            return proposal
-        if proposal.auxiliary is not None:
-            raise ValueError("a lookup cannot be grafted onto a proposal with auxiliary tokens")
-        tokens, parents = graft_chain(proposal.tokens, proposal.parents, chain)
-        k = proposal.tokens.numel()
-        if tokens.numel() == k:
-            return proposal  # the tree already held the whole continuation
-        if proposal.draft_probs is None:
-            return Proposal(tokens, parents=parents, acceptance=proposal.acceptance)
-        added = tokens[k:]
-        one_hot = proposal.draft_probs.new_zeros(added.numel(), proposal.draft_probs.shape[-1])
-        one_hot[torch.arange(added.numel(), device=added.device), added] = 1.0
-        rule = "without_replacement" if proposal.sibling_rule == "delta" else proposal.sibling_rule
-        return Proposal(tokens, draft_probs=torch.cat([proposal.draft_probs, one_hot]), parents=parents,
-                        sibling_rule=rule, acceptance=proposal.acceptance)
+        return proposal if chain is None else proposal.with_chain(chain)
 
     def observe(self, feedback: StepFeedback) -> None:
         """Count how much of this step's lookup the target accepted (its leading tokens that

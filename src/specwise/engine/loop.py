@@ -20,10 +20,11 @@ import torch
 
 from specwise.engine.clock import DeviceClock
 from specwise.engine.drafter import Drafter
+from specwise.engine.grammar import Grammar, GrammarState
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.step import verify_chain, verify_proposal
 from specwise.engine.stopping import StoppingRules
-from specwise.engine.types import DraftContext, GenerationResult, SpecStats, StepFeedback
+from specwise.engine.types import DraftContext, GenerationResult, Proposal, SpecStats, StepFeedback
 
 
 def speculative_generate(
@@ -38,6 +39,7 @@ def speculative_generate(
     streamer: Callable[[list[int]], None] | None = None,
     text_streamer: Callable[[str], None] | None = None,
     eos_token_ids: frozenset[int] | None = None, include_stop: bool = True,
+    grammar: Grammar | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with one drafter.
 
@@ -58,10 +60,14 @@ def speculative_generate(
             default the target's EOS (a chat adds the template's end-of-turn tokens).
         include_stop: keep the stop string that ended generation at the end of ``text`` (and of
             what ``text_streamer`` is shown); ``False`` leaves it out, as OpenAI's API does.
+        grammar: a compiled constraint (:class:`specwise.engine.grammar.Grammar`): the output is
+            distributed as decoding the target with the grammar's mask applied before the sampling
+            options, and ends (``stop_reason == "grammar"``) where the grammar takes no more tokens.
+            Drafts it refuses are never verified; tokens it forces are drafted as well.
 
     Returns:
         a :class:`GenerationResult`: ``text``, ``token_ids``, ``stats``, ``stop_reason``
-        (``"length"``, ``"eos"`` or ``"stop_string"``), ``finish_reason`` and ``stop_string``.
+        (``"length"``, ``"eos"``, ``"stop_string"`` or ``"grammar"``), ``finish_reason`` and ``stop_string``.
     """
     clock = DeviceClock(target.device)
     stats = SpecStats(method=drafter.method or type(drafter).__name__)
@@ -76,12 +82,13 @@ def speculative_generate(
     length = prompt_ids.numel()
     # 0. prefill: the target's first token becomes the first root, and the drafter starts
     start = clock.now()
-    cache, first, hidden_states = _prefill(target, prompt_ids, sampling, generator, layers)
+    constraint = None if grammar is None else grammar.start(output.eos_ids)
+    cache, first, hidden_states = _prefill(target, prompt_ids, sampling, generator, layers, constraint)
     stats.target_forwards += 1
     stats.prefill_time_s = clock.now() - start
     committed[length] = first
     length += 1
-    _stream(output.commit([first]), streamer)
+    _commit([first], output, constraint, streamer)
     state = drafter.start(DraftContext(token_ids=committed[:length], max_draft_tokens=0, sampling=sampling,
                                        generator=generator, cache_length=cache.length, hidden_states=hidden_states))
     try:
@@ -90,21 +97,18 @@ def speculative_generate(
             budget = max_new_tokens - len(output.tokens) - 1
             t0 = clock.now()
             ctx = DraftContext(committed[:length], budget, sampling, generator, cache.length)
-            proposal = drafter.propose(state, ctx)
+            proposal = _with_forced(drafter.propose(state, ctx), constraint)
             # 2.-4. verify in one target forward, accept, keep the accepted path in the cache
             t1 = clock.now()
             step = verify_proposal(target, cache, committed[:length], proposal, budget=budget, sampling=sampling,
-                                   generator=generator, hidden_layers=drafter.step_hidden_layers(state))
+                                   generator=generator, hidden_layers=drafter.step_hidden_layers(state),
+                                   grammar=constraint)
             t2 = clock.now()
             new = step.accepted + [step.next_token]
             committed[length: length + len(new)] = torch.tensor(new, dtype=torch.long)
             length += len(new)
-            emitted = output.commit(new)
-            stats.record_step(step.num_drafted, len(step.accepted), depth=step.depth,
-                              method=drafter.active_method(state))
-            stats.draft_time_s += t1 - t0
-            stats.verify_time_s += t2 - t1
-            _stream(emitted, streamer)
+            _commit(new, output, constraint, streamer)
+            _record_step(stats, step, drafter.active_method(state), t1 - t0, t2 - t1)
             # 5. tell the drafter what was accepted
             drafter.observe(state, StepFeedback(committed[:length], step.num_drafted, len(step.accepted),
                                                 cache.length, step.hidden_states, step.accepted_nodes,
@@ -120,12 +124,47 @@ def speculative_generate(
 
 
 def _prefill(target, prompt_ids: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
-             layers: tuple[int, ...]):
+             layers: tuple[int, ...], constraint: GrammarState | None):
     """The prompt through a new cache: ``(cache, first token, hidden states at the prompt's positions)``."""
     cache = target.new_cache()
     result = target.forward(prompt_ids, cache, num_logits=1, hidden_layers=layers)
-    _, first = verify_chain(result.logits, prompt_ids[:0], None, prompt_ids, sampling, generator)
+    masks = None if constraint is None else constraint.chain([])[1]
+    _, first = verify_chain(result.logits, prompt_ids[:0], None, prompt_ids, sampling, generator, masks=masks)
     return cache, first, result.hidden_states
+
+
+def _with_forced(proposal: Proposal, constraint: GrammarState | None) -> Proposal:
+    """The proposal with the tokens the grammar forces next grafted on as one more chain (they are
+    deterministic drafts no drafter had to find); unchanged without a grammar, where nothing is
+    forced, or where the proposal carries auxiliary tokens, which cannot be merged."""
+    forced = [] if constraint is None else constraint.forced_tokens()
+    if not forced or proposal.auxiliary is not None:
+        return proposal
+    chain = torch.tensor(forced, dtype=torch.long, device=proposal.tokens.device)
+    if proposal.tokens.numel() == 0:
+        return Proposal(chain, acceptance=proposal.acceptance)
+    return proposal.with_chain(chain)
+
+
+def _commit(new: list[int], output: StoppingRules, constraint: GrammarState | None,
+            streamer: Callable[[list[int]], None] | None) -> list[int]:
+    """Commit a step's tokens to the output (and the grammar): those up to where the grammar is
+    complete; then generation ends there. Returns the tokens kept."""
+    complete = False
+    if constraint is not None:
+        new = new[: constraint.advance(new)]
+        complete = constraint.is_stopped()
+    emitted = output.commit(new)
+    if complete:
+        output.end("grammar")
+    _stream(emitted, streamer)
+    return emitted
+
+
+def _record_step(stats: SpecStats, step, method: str, draft_s: float, verify_s: float) -> None:
+    stats.record_step(step.num_drafted, len(step.accepted), depth=step.depth, method=method)
+    stats.draft_time_s += draft_s
+    stats.verify_time_s += verify_s
 
 
 def _stream(emitted: list[int], streamer: Callable[[list[int]], None] | None) -> None:

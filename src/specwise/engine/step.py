@@ -16,10 +16,12 @@ The acceptance maths itself is pure and lives in :mod:`specwise.engine.verify` (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from specwise.engine.acceptance import EXACT, AcceptanceRule, ExactAcceptance
+from specwise.engine.grammar import GrammarState
 from specwise.engine.node_logits import TreeLogits, first_child_path
 from specwise.engine.sampling import (
     NonFiniteDistributionError,
@@ -43,6 +45,8 @@ def verify_chain(
     sampling: SamplingConfig,
     generator: torch.Generator | None,
     acceptance: ExactAcceptance = EXACT,
+    masks: torch.Tensor | None = None,
+    cut: tuple[int, torch.Tensor] | None = None,
 ) -> tuple[int, int]:
     """Process the target's logits for a chain and decide how many drafts to accept.
 
@@ -56,6 +60,12 @@ def verify_chain(
             chain verification (token-wise speculative sampling, or block verification).
         generator: RNG for sampling.
         acceptance: the exact rule whose :attr:`~ExactAcceptance.sample_chain` verifies a sampled chain.
+        masks: ``[K+1, V]`` bool, a grammar's allowed tokens per row (:mod:`specwise.engine.grammar`),
+            applied before any other processing; ``None`` = unconstrained.
+        cut: ``(token, q [V])``: the sampled draft after the chain that the grammar refused, with
+            the distribution it was drawn from. It is verified as rejected (p′ gives it 0), so when
+            every draft before it is accepted the next token comes from ``norm(max(p′ − q, 0))``,
+            not from p′. A refused deterministic draft needs nothing (its residual is p′).
 
     Returns:
         ``(num_accepted, next_token)``.
@@ -65,12 +75,19 @@ def verify_chain(
             inf logits, e.g. a float16 overflow); named by the logits' dtype.
     """
     seen = prefix_token_masks(context_ids, draft_tokens, logits.shape[-1]) if sampling.uses_history else None
+    if masks is not None:
+        logits = logits.masked_fill(~masks.to(logits.device), float("-inf"))
     try:
         if sampling.is_greedy:
             scores = logits if seen is None else process_logits(logits, sampling, seen)
             num_accepted, next_token = greedy_accept(draft_tokens, greedy_tokens(scores))
         else:
             probs = probs_from_scores(process_logits(logits, sampling, seen))
+            if cut is not None and draft_probs is not None:
+                # the refused draft joins the chain; p′ = 0 rejects it, so its row after it (a copy) is never read
+                draft_tokens = torch.cat([draft_tokens, draft_tokens.new_tensor([cut[0]])])
+                draft_probs = torch.cat([draft_probs, cut[1][None]])
+                probs = torch.cat([probs, probs[-1:]])
             num_accepted, next_token = acceptance.sample_chain(draft_tokens, probs, draft_probs, generator)
     except NonFiniteDistributionError:
         next_token = -1
@@ -88,6 +105,7 @@ def verify_tree(
     sampling: SamplingConfig,
     generator: torch.Generator | None,
     acceptance: AcceptanceRule = EXACT,
+    node_masks: Callable[[list[int]], torch.Tensor] | None = None,
 ) -> tuple[list[int], int]:
     """Process the target's logits at the tree nodes the walk visits, and walk the tree.
 
@@ -101,6 +119,9 @@ def verify_tree(
         sampling: the sampling options; each node's row is processed with its own path's prefix.
         generator: RNG for sampling.
         acceptance: the rule that walks the tree (default: the exact one).
+        node_masks: ``nodes -> [len(nodes), V]`` bool, a grammar's allowed tokens after each node's
+            path, applied before any other processing (a node the grammar refuses is never accepted);
+            ``None`` = unconstrained.
 
     Returns:
         ``(path, next_token)``: accepted node indices (root excluded) and the next root.
@@ -120,7 +141,10 @@ def verify_tree(
         seen[node_index, tree.tokens[ancestor]] = True
 
     def scores(nodes: list[int]) -> torch.Tensor:  # shape: [len(nodes), V]
-        return process_logits(rows.rows(nodes), sampling, None if seen is None else seen[nodes])
+        logits = rows.rows(nodes)
+        if node_masks is not None:
+            logits = logits.masked_fill(~node_masks(nodes).to(logits.device), float("-inf"))
+        return process_logits(logits, sampling, None if seen is None else seen[nodes])
 
     try:
         path, next_token = acceptance.accept_tree(tree, scores, draft_probs, sibling_rule, sampling, generator)
@@ -157,7 +181,7 @@ class VerifiedStep:
 
 def verify_proposal(target, cache: TargetCache, context: torch.Tensor, proposal: Proposal, *, budget: int,
                     sampling: SamplingConfig, generator: torch.Generator | None,
-                    hidden_layers: tuple[int, ...]) -> VerifiedStep:
+                    hidden_layers: tuple[int, ...], grammar: GrammarState | None = None) -> VerifiedStep:
     """Verify a proposal in one target forward and keep only the accepted path in the KV cache.
 
     Args:
@@ -169,12 +193,16 @@ def verify_proposal(target, cache: TargetCache, context: torch.Tensor, proposal:
         sampling: the sampling options.
         generator: RNG for sampling.
         hidden_layers: the hidden-state layers to return for the kept positions.
+        grammar: the generation's grammar matcher, or ``None``. Every verified row is masked by it;
+            drafts it refuses are never verified: a chain is cut at the first one, a tree loses
+            them and their subtrees (sampled siblings drawn from a q excepted: a refused one stays,
+            as a leaf, because the siblings tried after it were drawn with it excluded).
 
     Returns:
         :class:`VerifiedStep`; the cache then holds ``T + len(accepted) + 1`` positions.
     """
     verify = _verify_plain_chain if _is_plain_chain(proposal) else _verify_as_tree
-    return verify(target, cache, context, proposal, budget, sampling, generator, hidden_layers)
+    return verify(target, cache, context, proposal, budget, sampling, generator, hidden_layers, grammar)
 
 
 def _is_plain_chain(proposal: Proposal) -> bool:
@@ -182,16 +210,24 @@ def _is_plain_chain(proposal: Proposal) -> bool:
     return proposal.parents is None and proposal.auxiliary is None and isinstance(proposal.acceptance, ExactAcceptance)
 
 
-def _verify_plain_chain(target, cache, context, proposal, budget, sampling, generator, hidden_layers) -> VerifiedStep:
+def _verify_plain_chain(target, cache, context, proposal, budget, sampling, generator, hidden_layers,
+                        grammar) -> VerifiedStep:
     """The fast path: a causal forward over root + drafts, then a rollback past the accepted ones."""
     start = cache.length
     drafts = proposal.tokens[:budget]
     k = drafts.numel()
     probs = None if proposal.draft_probs is None else proposal.draft_probs[:k]
+    masks = cut = None
+    if grammar is not None:
+        allowed, masks = grammar.chain(drafts.tolist())
+        if allowed < k and probs is not None:
+            cut = int(drafts[allowed]), probs[allowed]
+        drafts, k = drafts[:allowed], allowed
+        probs = None if probs is None else probs[:k]
     result = target.forward(torch.cat([context[-1:], drafts]) if k else context[-1:], cache,
                             num_logits=k + 1, hidden_layers=hidden_layers)
     num_accepted, next_token = verify_chain(result.logits, drafts, probs, context, sampling, generator,
-                                            proposal.acceptance)
+                                            proposal.acceptance, masks, cut)
     cache.rollback(start + num_accepted + 1)
     return VerifiedStep(
         accepted=drafts[:num_accepted].tolist(),
@@ -203,7 +239,8 @@ def _verify_plain_chain(target, cache, context, proposal, budget, sampling, gene
     )
 
 
-def _verify_as_tree(target, cache, context, proposal, budget, sampling, generator, hidden_layers) -> VerifiedStep:
+def _verify_as_tree(target, cache, context, proposal, budget, sampling, generator, hidden_layers,
+                    grammar) -> VerifiedStep:
     """A tree (and any auxiliary tokens) in one forward with a 4-D mask, walked by the proposal's rule.
 
     Unless the rule reads every node, the LM head runs on the drafter's most likely path only and
@@ -211,6 +248,9 @@ def _verify_as_tree(target, cache, context, proposal, budget, sampling, generato
     """
     start = cache.length
     tree = DraftTree.build(context[-1], proposal.tokens, proposal.parents).pruned(budget)
+    node_masks = None
+    if grammar is not None:
+        tree, node_masks = _grammar_tree(tree, grammar, proposal, sampling)
     lazy = not proposal.acceptance.reads_every_node and target.computes_logits_from_hidden
     head_nodes = first_child_path(tree.children, 0) if lazy else list(range(tree.size))
     layers = tuple(dict.fromkeys(hidden_layers + ((target.final_layer,) if lazy else ())))
@@ -222,7 +262,7 @@ def _verify_as_tree(target, cache, context, proposal, budget, sampling, generato
                         target.logits_from_final_hidden)
     draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[tree.kept[1:] - 1]
     path, next_token = verify_tree(logits, tree, draft_probs, proposal.sibling_rule, context, sampling,
-                                   generator, proposal.acceptance)
+                                   generator, proposal.acceptance, node_masks)
     kept = [0] + path
     cache.commit_path(start, kept)
     original = tree.kept.tolist()
@@ -235,6 +275,35 @@ def _verify_as_tree(target, cache, context, proposal, budget, sampling, generato
         hidden_states={i: result.hidden_states[i][kept] for i in hidden_layers},
         aux_logits=result.logits[h:] if proposal.auxiliary is not None else None,
     )
+
+
+def _grammar_tree(tree: DraftTree, grammar: GrammarState, proposal: Proposal,
+                  sampling: SamplingConfig) -> tuple[DraftTree, Callable[[list[int]], torch.Tensor]]:
+    """The tree without the drafts the grammar refuses, and the mask of each node's row.
+
+    A refused node and its subtree go, unless its siblings were drawn from a q with it excluded
+    (a sampled tree's rule other than ``"delta"``): the walk must reject it before it tries them, so
+    it stays as a leaf (its row is never read: it is never accepted, and its mask allows every token).
+    """
+    tokens = tree.tokens.tolist()
+    allowed = grammar.valid_nodes(tokens, tree.children)
+    keep = list(allowed)
+    if not sampling.is_greedy and proposal.draft_probs is not None and proposal.sibling_rule != "delta":
+        parents = tree.parents.tolist()
+        keep = [ok or allowed[parents[i]] for i, ok in enumerate(allowed)]
+    position = {node: i for i, node in enumerate(tree.kept.tolist())}
+    tree = tree.keeping(torch.tensor(keep, device=tree.tokens.device))
+    allowed = [allowed[position[node]] for node in tree.kept.tolist()]
+    tokens = tree.tokens.tolist()
+
+    def node_masks(nodes: list[int]) -> torch.Tensor:  # shape: [len(nodes), V]
+        out = torch.ones(len(nodes), grammar.compiler.vocab_size, dtype=torch.bool)
+        rows = [i for i, node in enumerate(nodes) if allowed[node]]
+        if rows:
+            out[rows] = grammar.node_masks([[tokens[j] for j in tree.path_to(nodes[i])] for i in rows])
+        return out
+
+    return tree, node_masks
 
 
 def _forward_inputs(tree: DraftTree, auxiliary: AuxiliaryTokens | None, head_nodes: list[int], start: int,

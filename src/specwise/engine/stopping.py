@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-FINISH_REASONS = {"eos": "eos", "length": "length", "stop_string": "stop"}  # stop_reason -> finish_reason
+FINISH_REASONS = {"eos": "eos", "length": "length", "stop_string": "stop", "grammar": "stop"}  # stop_reason -> finish_reason
 
 
 class IncrementalText:
@@ -101,8 +101,8 @@ class StoppingRules:
 
     Attributes:
         tokens: the new tokens kept so far (up to and including the one that completed a stop string).
-        stop_reason: ``None`` while generation goes on, then ``"eos"``, ``"length"`` or
-            ``"stop_string"``.
+        stop_reason: ``None`` while generation goes on, then ``"eos"``, ``"length"``,
+            ``"stop_string"`` or another reason :meth:`end` was given (``"grammar"``).
         stop_string: the stop string that matched, else ``None``.
     """
 
@@ -158,6 +158,13 @@ class StoppingRules:
         elif self.text_streamer is not None:
             self._stream_settled()
         return emitted
+
+    def end(self, reason: str) -> None:
+        """Stop here for a reason of the caller's (a grammar that takes no more tokens), unless a
+        rule has already stopped generation."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            self._finish()
 
     def _text_tokens(self, tokens: list[int]) -> list[int]:
         """``tokens`` without the EOS that ended generation."""

@@ -80,16 +80,30 @@ class DraftTree:
     def pruned(self, max_depth: int) -> "DraftTree":
         """The subtree of nodes at depth <= ``max_depth`` (``self`` when nothing is deeper).
 
-        ``kept`` of the result maps its nodes to this tree's node indices.
+        ``kept`` of the result maps its nodes to the unpruned tree's node indices.
         """
-        keep = self.depth <= max_depth
+        return self.keeping(self.depth <= max_depth)
+
+    def keeping(self, keep: torch.Tensor) -> "DraftTree":
+        """The subtree of the nodes ``keep`` marks whose ancestors it marks too (``self`` when that
+        is every node).
+
+        Args:
+            keep: ``[n]`` bool; the root is always kept.
+
+        Returns:
+            the subtree, node order unchanged; its ``kept`` maps each node to the node index
+            ``self.kept`` gives it (so pruning twice still maps to the tree first built).
+        """
+        keep = ~(self.ancestors & ~keep[None, :]).any(1)
+        keep[0] = True
         if bool(keep.all()):
             return self
         kept = keep.nonzero().flatten()
         new_index = keep.long().cumsum(0) - 1
         parents = new_index[self.parents[kept[1:]]]
         tree = DraftTree.build(self.tokens[0], self.tokens[kept[1:]], parents)
-        return DraftTree(tree.tokens, tree.parents, tree.depth, tree.ancestors, tree.children, kept)
+        return DraftTree(tree.tokens, tree.parents, tree.depth, tree.ancestors, tree.children, self.kept[kept])
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's first child down to ``node`` (the root excluded)."""

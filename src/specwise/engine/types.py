@@ -8,6 +8,7 @@ import torch
 
 from specwise.engine.acceptance import EXACT, AcceptanceRule
 from specwise.engine.sampling import SamplingConfig
+from specwise.engine.tree import graft_chain
 from specwise.engine.verify import SIBLING_RULES
 from specwise.errors import DrafterError
 
@@ -92,6 +93,40 @@ class Proposal:
             bad = tokens[int((q_of_draft > 0).logical_not().nonzero()[0])]
             raise DrafterError(f"Draft token {bad} has probability 0 under the distribution it was drawn from "
                                f"(sibling rule {self.sibling_rule!r}), so its acceptance ratio is undefined.")
+
+    def with_chain(self, chain: torch.Tensor) -> "Proposal":
+        """This proposal with a chain of deterministic drafts added as one more path from the root
+        (a context lookup's copy, a grammar's forced tokens), verified in the same forward.
+
+        Args:
+            chain: ``[L]`` long, tokens that follow the root one after another.
+
+        Returns:
+            ``self`` when the tree already holds the chain; otherwise a tree whose first nodes are
+            this proposal's (same order, so ``StepFeedback.accepted_nodes`` still index them) and
+            whose new nodes hold the chain's tokens (:func:`specwise.engine.tree.graft_chain`). Onto
+            sampled drafts the new nodes go as deterministic proposals (one-hot rows of
+            ``draft_probs``), each tried after its parent's drawn children, which the merge keeps
+            distinct from it: the verification stays exact (rule ``"without_replacement"``; a
+            sampled chain's nodes are each their parent's only drawn child).
+
+        Raises:
+            ValueError: the proposal carries auxiliary tokens (they cannot be merged).
+        """
+        if self.auxiliary is not None:
+            raise ValueError("a chain cannot be grafted onto a proposal with auxiliary tokens")
+        tokens, parents = graft_chain(self.tokens, self.parents, chain)
+        k = self.tokens.numel()
+        if tokens.numel() == k:
+            return self
+        if self.draft_probs is None:
+            return Proposal(tokens, parents=parents, acceptance=self.acceptance)
+        added = tokens[k:]
+        one_hot = self.draft_probs.new_zeros(added.numel(), self.draft_probs.shape[-1])
+        one_hot[torch.arange(added.numel(), device=added.device), added] = 1.0
+        rule = "without_replacement" if self.sibling_rule == "delta" else self.sibling_rule
+        return Proposal(tokens, draft_probs=torch.cat([self.draft_probs, one_hot]), parents=parents,
+                        sibling_rule=rule, acceptance=self.acceptance)
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> "Proposal":
@@ -267,7 +302,8 @@ class GenerationResult:
         token_ids: the new token ids, EOS included when generation stopped on it, and up to and
             including the token that completed a stop string.
         stats: the run's :class:`SpecStats`.
-        stop_reason: ``"length"``, ``"eos"`` or ``"stop_string"``.
+        stop_reason: ``"length"``, ``"eos"``, ``"stop_string"`` or ``"grammar"`` (a constrained
+            output complete: its grammar takes no more tokens).
         stop_string: the stop string that ended generation, else ``None``.
     """
 
@@ -279,6 +315,6 @@ class GenerationResult:
 
     @property
     def finish_reason(self) -> str:
-        """``"stop"`` (a stop string), ``"length"`` or ``"eos"``."""
-        return {"stop_string": "stop"}.get(self.stop_reason, self.stop_reason)
+        """``"stop"`` (a stop string, a complete grammar), ``"length"`` or ``"eos"``."""
+        return {"stop_string": "stop", "grammar": "stop"}.get(self.stop_reason, self.stop_reason)
 

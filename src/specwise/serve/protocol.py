@@ -9,7 +9,7 @@ their no-op values.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
@@ -99,6 +99,7 @@ class _Request(_Strict):
     presence_penalty: StrictFloat | StrictInt = 0.0
     user: StrictStr | None = None
     prediction: PredictionContent | None = None
+    response_format: dict[str, Any] | None = None  # checked and compiled by the grammar module
     speculative: Speculative | None = None
 
     @field_validator("logprobs", "top_logprobs", "echo", "suffix", check_fields=False)

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from specwise.api import encode_prompt
+from specwise.api import compile_response_format, encode_prompt
 from specwise.errors import SpecwiseError
 from specwise.serve.protocol import ApiError
 from specwise.serve.worker import check_request_options
@@ -96,6 +96,20 @@ def sampling_kwargs(body) -> dict[str, Any]:
                 prediction=body.prediction.text if body.prediction is not None else None)
 
 
+def check_response_format(target, body) -> None:
+    """Compile the request's ``response_format`` (kept on the target for the generation to reuse),
+    before anything runs. Slow the first time (the grammar engine reads the tokenizer): run it off
+    the event loop.
+
+    Raises:
+        ApiError: 400 naming ``response_format`` for a bad format, schema, regex or grammar.
+    """
+    try:
+        compile_response_format(target, body.response_format)
+    except SpecwiseError as exc:
+        raise ApiError(400, str(exc), "response_format") from None
+
+
 def tokenize(target, body, chat: bool) -> tuple[dict[str, Any], int]:
     """The prompt as :func:`specwise.generate` takes it (``prompt`` ids, or ``messages``) and its
     length in tokens. Slow (a tokenizer, a chat template): run it off the event loop.
@@ -153,8 +167,9 @@ def prepare(target, body, chat: bool, limits: Limits) -> Prepared:
         ApiError: the status and field the client is told.
     """
     method, options = check_request(body, chat, limits)
+    check_response_format(target, body)
     prompt, prompt_tokens = tokenize(target, body, chat)
-    kwargs = {**sampling_kwargs(body), **prompt,
+    kwargs = {**sampling_kwargs(body), **prompt, "response_format": body.response_format,
               "max_new_tokens": token_budget(body, chat, prompt_tokens, target.max_context, limits)}
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     return Prepared(request_id, kwargs, method, options, prompt_tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -41,6 +42,11 @@ def add_bench_args(bench: argparse.ArgumentParser, default_target: str) -> None:
     bench.add_argument("--chat", action="store_true", help="send each prompt as a user message through the target's chat template")
     bench.add_argument("--ignore-eos", action="store_true",
                        help="every contender generates --max-new-tokens tokens, past end-of-sequence (fixed-length timing)")
+    bench.add_argument("--json-schema", default=None, metavar="FILE",
+                       help="every contender constrains its output to the JSON schema in FILE (llama-server by its "
+                            "own json_schema; METHOD[constrained=false] runs unconstrained beside them)")
+    bench.add_argument("--instruction", default=None, metavar="TEXT",
+                       help="appended to every prompt after a blank line (e.g. what JSON to answer in)")
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
@@ -63,6 +69,7 @@ def _progress(message: str) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     records = _bench_prompts(args)
+    response_format = _response_format(args)
     specs = split_specs(args.methods)
     if args.hf_peers:
         specs += hf_peer_specs(specs)
@@ -84,7 +91,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     with bench_progress(console, len(records) * len(contenders)) as on_progress:
         result = run_benchmark(target, records, contenders, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, seed=args.seed, on_progress=on_progress,
-                               extra_config=extra, chat=args.chat, ignore_eos=args.ignore_eos)
+                               extra_config=extra, chat=args.chat, ignore_eos=args.ignore_eos,
+                               response_format=response_format)
     results = result.to_dict()
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plots = write_bench_plots(results, out)
@@ -103,6 +111,21 @@ def _other_target(args: argparse.Namespace, suffix: str):
     return load_target(args.target, dtype=args.dtype, device=args.device, weights=suffix)
 
 
+def _response_format(args: argparse.Namespace) -> dict | None:
+    """The run's ``response_format`` from ``--json-schema`` (``None`` without it).
+
+    Raises:
+        ConfigError: a file that cannot be read or is not JSON.
+    """
+    if args.json_schema is None:
+        return None
+    try:
+        schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--json-schema {args.json_schema} cannot be read as JSON: {exc}.") from None
+    return {"type": "json_schema", "json_schema": {"name": Path(args.json_schema).stem, "schema": schema}}
+
+
 def _bench_prompts(args: argparse.Namespace) -> list:
     """The prompt records a ``bench`` run measures.
 
@@ -118,4 +141,6 @@ def _bench_prompts(args: argparse.Namespace) -> list:
         records = take_per_category(records, args.per_category or len(records), args.skip_per_category)
     if not records:
         raise ConfigError("no prompts to benchmark.")
+    if args.instruction:
+        records = [dataclasses.replace(r, prompt=f"{r.prompt}\n\n{args.instruction}") for r in records]
     return records

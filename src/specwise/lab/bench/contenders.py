@@ -42,14 +42,18 @@ class Contender:
     describe: Callable[[], str] | None = None
 
 
-def specwise_contender(target, method: str, label: str | None = None, **options: Any) -> Contender:
-    """A specwise method with fixed options; its drafter is built once and reused."""
+def specwise_contender(target, method: str, label: str | None = None, constrained: bool = True,
+                       **options: Any) -> Contender:
+    """A specwise method with fixed options; its drafter is built once and reused. With
+    ``constrained=False`` (``ar[constrained=false]``) it ignores the run's ``response_format``: the
+    unconstrained reference a constrained run's mask cost is measured against."""
 
     drafter = build_drafter(target, method, **options)
 
-    def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, **sampling):
+    def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, response_format=None, **sampling):
         result = generate(target, prompt_ids, drafter=drafter, max_new_tokens=max_new_tokens,
-                          temperature=temperature, seed=seed, **sampling)
+                          temperature=temperature, seed=seed, response_format=response_format if constrained else None,
+                          **sampling)
         return Outcome(result.token_ids, result.stats.wall_time_s, result.stats)
 
     return Contender(label or method, run)
@@ -83,7 +87,10 @@ def hf_contender(target, kind: str, label: str | None = None, **options: Any) ->
 
     @torch.inference_mode()
     def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, top_k=0, top_p=1.0, repetition_penalty=1.0,
-            ignore_eos=False):
+            ignore_eos=False, response_format=None):
+        if response_format is not None:
+            raise ConfigError("the Hugging Face peers cannot constrain their output; leave them out of a run "
+                              "with --json-schema.")
         sample = temperature > 0 and top_k != 1
         config = GenerationConfig(
             max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
@@ -147,13 +154,30 @@ def llamacpp_contender(target, binary: Path, gguf: Path, label: str = "llamacpp"
         flags = {**flags, "draft": gguf_file(str(flags["draft"]))}
     server = LlamaServer(binary, gguf, flags, torch.get_num_threads())
 
-    def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, ignore_eos=False, **_sampling):
-        reply = server.complete(prompt_ids.tolist(), max_new_tokens, temperature, seed, ignore_eos=ignore_eos)
+    def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, ignore_eos=False, response_format=None,
+            **_sampling):
+        reply = server.complete(prompt_ids.tolist(), max_new_tokens, temperature, seed, ignore_eos=ignore_eos,
+                                json_schema=json_schema_of(response_format))
         timings = reply.get("timings", {})
         prefill_s, decode_s = timings.get("prompt_ms", 0.0) / 1e3, timings.get("predicted_ms", 0.0) / 1e3
         return Outcome(list(reply.get("tokens", [])), prefill_s + decode_s, None, decode_time_s=decode_s)
 
     return Contender(label, run, is_peer=True, describe=server.describe)
+
+
+def json_schema_of(response_format: dict | None) -> dict | None:
+    """The JSON schema llama-server's ``json_schema`` field takes for a ``response_format``.
+
+    Raises:
+        ConfigError: a format other than a JSON schema or object (the race sends llama-server only those).
+    """
+    if response_format is None:
+        return None
+    if response_format.get("type") == "json_object":
+        return {"type": "object"}
+    if response_format.get("type") == "json_schema":
+        return dict(response_format["json_schema"].get("schema", {"type": "object"}))
+    raise ConfigError("llama-server races take a JSON schema or object as the response format.")
 
 
 def parse_contender(target, spec: str, llama_server: Path | None = None, gguf: Path | None = None,

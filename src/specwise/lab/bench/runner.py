@@ -95,6 +95,7 @@ def run_benchmark(
     extra_config: dict | None = None,
     chat: bool = False,
     ignore_eos: bool = False,
+    response_format: dict | None = None,
 ) -> BenchResult:
     """Benchmark contenders on prompts, interleaved.
 
@@ -109,6 +110,8 @@ def run_benchmark(
             token ids to every contender, peers included).
         ignore_eos: every contender generates ``max_new_tokens`` tokens, past end-of-sequence (so
             sampled texts of different lengths do not weigh the prefill differently).
+        response_format: every contender constrains its output to it (a contender built with
+            ``constrained=false`` excepted), e.g. a JSON schema.
 
     Returns:
         :class:`BenchResult` with per-run records and per-category / overall summaries.
@@ -116,7 +119,8 @@ def run_benchmark(
     encoded = [target.encode_chat([{"role": "user", "content": p.prompt}]) if chat else target.encode(p.prompt)
                for p in prompts]
     for contender in contenders:  # warm-up
-        contender.run(encoded[0], min(16, max_new_tokens), temperature=temperature, seed=seed, ignore_eos=ignore_eos)
+        contender.run(encoded[0], min(16, max_new_tokens), temperature=temperature, seed=seed, ignore_eos=ignore_eos,
+                      response_format=response_format)
     records: list[RunRecord] = []
     total, done = len(prompts) * len(contenders), 0
     for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
@@ -125,7 +129,7 @@ def run_benchmark(
         by_name: dict[str, RunRecord] = {}
         for contender in order:
             outcome = contender.run(ids, max_new_tokens, temperature=temperature, seed=seed + index,
-                                    ignore_eos=ignore_eos)
+                                    ignore_eos=ignore_eos, response_format=response_format)
             by_name[contender.name] = _record(contender, prompt, outcome)
             done += 1
             if on_progress:
@@ -140,7 +144,7 @@ def run_benchmark(
               "dtype": str(target.dtype).removeprefix("torch."),
               "device": str(target.device), "max_new_tokens": max_new_tokens, "temperature": temperature,
               "seed": seed, "prompts": len(prompts), "contenders": [c.name for c in contenders],
-              "tie_margin": TIE_MARGIN, "chat": chat, "ignore_eos": ignore_eos,
+              "tie_margin": TIE_MARGIN, "chat": chat, "ignore_eos": ignore_eos, "response_format": response_format,
               **(extra_config or {})}
     described = {c.name: c.describe() for c in contenders if c.describe is not None}
     if described:

@@ -1,0 +1,103 @@
+"""``response_format`` through ``specwise serve`` and the official ``openai`` client: a JSON schema,
+a JSON object and a regex give what :func:`specwise.generate` gives in this process (streamed and
+not, greedy under every method served), and a bad format is a 400 naming ``response_format``.
+
+A tiny float64 model with a byte-level text vocabulary (one a grammar engine reads) and a chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import specwise
+from conftest import make_model, make_text_tokenizer
+from serving import Server
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("llguidance")
+
+KEY = "sk-test-key"
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+                 "{% if add_generation_prompt %}:{% endif %}")
+METHODS = ("ar", "pld", "lookahead")
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "ok": {"type": "boolean"}},
+          "required": ["name", "ok"], "additionalProperties": False}
+FORMATS = {
+    "json-schema": {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA, "strict": True}},
+    "json-object": {"type": "json_object"},
+    "regex": {"type": "regex", "pattern": "(the|an) [a-z]{1,8}\\."},
+}
+MESSAGES = [{"role": "user", "content": 'name the cat: {"name":"tom","ok":true} the cat.'}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("served-text") / "tiny-text"
+    tokenizer = make_text_tokenizer()
+    make_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    server = Server(model_dir, "--method", "ar", "--methods", ",".join(METHODS), "--api-key", KEY)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def target(model_dir):
+    return specwise.load_target(model_dir, dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_chat_response_format_equals_generate(client, target, kind, method):
+    local = specwise.generate(target, messages=MESSAGES, max_new_tokens=48, response_format=FORMATS[kind],
+                              include_stop=False)
+    extra = {"speculative": {"method": method}}
+    response = client.chat.completions.create(model="tiny-text", messages=MESSAGES, max_completion_tokens=48,
+                                              temperature=0, response_format=FORMATS[kind], extra_body=extra)
+    choice = response.choices[0]
+    assert choice.message.content == local.text
+    assert choice.finish_reason == ("length" if local.finish_reason == "length" else "stop")
+    assert response.usage.completion_tokens == len(local.token_ids)
+    if kind != "regex" and choice.finish_reason == "stop":
+        record = json.loads(choice.message.content)
+        assert isinstance(record, dict) and (kind != "json-schema" or set(record) == {"name", "ok"})
+    chunks = list(client.chat.completions.create(model="tiny-text", messages=MESSAGES, max_completion_tokens=48,
+                                                 temperature=0, response_format=FORMATS[kind], stream=True,
+                                                 extra_body=extra))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == local.text
+
+
+def test_completions_take_a_response_format_too(client, target):
+    prompt = 'record: {"name":"an","ok":false} record: '
+    local = specwise.generate(target, prompt, max_new_tokens=32, response_format=FORMATS["json-schema"])
+    response = client.completions.create(model="tiny-text", prompt=prompt, max_tokens=32, temperature=0,
+                                         extra_body={"response_format": FORMATS["json-schema"]})
+    assert response.choices[0].text == local.text
+
+
+@pytest.mark.parametrize("fmt, message", [
+    ({"type": "yaml"}, "type must be one of"),
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nonsense"}}}, "cannot be compiled"),
+    ({"type": "regex", "pattern": "(ab"}, "cannot be compiled"),
+])
+def test_a_bad_response_format_is_a_400_naming_it(client, fmt, message):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model="tiny-text", messages=MESSAGES, max_completion_tokens=8,
+                                       response_format=fmt)
+    error = raised.value.body
+    assert error["param"] == "response_format" and message in error["message"]
+    assert "\n" not in error["message"]
