@@ -113,8 +113,18 @@ def _draft_lm(target):
                              draft_model=make_model("llama", 1, target.vocab_size))
 
 
+class EndDrafter(RandomDrafter):
+    """Drafts the EOS after a random token: an end token the grammar allows only where it is complete."""
+
+    def propose(self, state, ctx: DraftContext) -> Proposal:
+        count = min(2, ctx.max_draft_tokens)
+        tokens = torch.tensor([int(torch.randint(3, self.vocab_size, (), generator=self.generator)), 1])
+        return Proposal(tokens[2 - count:] if count < 2 else tokens)
+
+
 METHODS = {
     "pld": dict(method="pld", min_ngram_size=1),
+    "eos-drafts": dict(drafter=lambda target: EndDrafter(target.vocab_size, 2, seed=2)),
     "lookahead": dict(method="lookahead"),
     "draft": dict(drafter=_draft_lm),
     "random": dict(drafter=lambda target: RandomDrafter(target.vocab_size, 4, seed=1)),

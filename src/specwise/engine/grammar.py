@@ -198,6 +198,7 @@ class GrammarState:
         self.eos_token_ids = eos_token_ids
         self._eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long)
         self._special = frozenset(compiler.special_token_ids.tolist())
+        self._ended = False  # an end token was committed
         words = (compiler.vocab_size + 31) // 32
         self._bits = torch.zeros(words, dtype=torch.int32)
         self._shifts = torch.arange(8, dtype=torch.uint8)
@@ -207,8 +208,9 @@ class GrammarState:
         return self.matcher.get_error() if self.matcher.is_error() else ""
 
     def is_stopped(self) -> bool:
-        """The grammar is complete and takes no more tokens (generation ends here)."""
-        return self.matcher.is_stopped()
+        """The grammar is complete and takes no more tokens, or an end token was committed
+        (generation ends here)."""
+        return self._ended or self.matcher.is_stopped()
 
     def _fill(self) -> None:
         """Compute the grammar's bitmask after what the matcher has consumed (into ``_bits``)."""
@@ -238,7 +240,16 @@ class GrammarState:
             mask[eos] = True
         return mask
 
+    def _after_end(self) -> torch.Tensor:
+        """The mask of a row after an end token: nothing follows it, so only end tokens (the
+        generation stops there before that row's token is committed)."""
+        mask = torch.zeros(self.compiler.vocab_size, dtype=torch.bool)
+        mask[self._eos if self._eos.numel() else self.compiler.eos_token_ids] = True
+        return mask
+
     def _consume(self, token: int) -> None:
+        # end tokens never reach the matcher: nothing follows them, and rolling the matcher back
+        # past one does not always restore its state
         if not self.matcher.consume_token(token):
             raise ValueError(f"the grammar refuses token {token}: {self.error() or 'not allowed'}")
 
@@ -257,10 +268,11 @@ class GrammarState:
             masks.append(self._mask())
             if not self._allows(token):
                 break
+            if token in self.eos_token_ids:
+                self.matcher.rollback(consumed)
+                return consumed + 1, torch.stack(masks + [self._after_end()])
             self._consume(token)
             consumed += 1
-            if token in self.eos_token_ids:
-                break
         if len(masks) == consumed:
             self._fill()
             masks.append(self._mask())
@@ -282,10 +294,12 @@ class GrammarState:
             if leaving:
                 self.matcher.rollback(1)
                 continue
+            if node and tokens[node] in self.eos_token_ids:
+                continue  # allowed (its parent's mask said so); nothing follows it
             if node:
                 self._consume(tokens[node])
                 stack.append((node, True))
-            if not children[node] or tokens[node] in self.eos_token_ids and node:
+            if not children[node]:
                 continue
             self._fill()
             ok = [child for child in children[node] if self._allows(tokens[child])]
@@ -303,6 +317,9 @@ class GrammarState:
         """
         masks = []
         for path in paths:
+            if path and path[-1] in self.eos_token_ids:
+                masks.append(self._after_end())
+                continue
             for token in path:
                 self._consume(token)
             self._fill()
@@ -329,10 +346,13 @@ class GrammarState:
                 in the caller can get here).
         """
         for i, token in enumerate(tokens):
-            if self.matcher.is_stopped():
+            if self.is_stopped():
                 return i
             self._fill()
             if not self._allows(token):
                 raise ValueError(f"the grammar refuses committed token {token}")
-            self._consume(token)
+            if token in self.eos_token_ids:
+                self._ended = True
+            else:
+                self._consume(token)
         return len(tokens)
