@@ -275,6 +275,9 @@ SAMPLED = {
     "draft-model": (lambda target: DraftModelDrafter(target, DraftModelConfig(num_draft_tokens=2, confidence_threshold=0.0),
                                                      draft_model=make_model("llama", 1, V)), NUM_SEEDS, 3,
                     dict(temperature=0.8)),
+    "draft-model-block": (lambda target: DraftModelDrafter(
+        target, DraftModelConfig(num_draft_tokens=2, confidence_threshold=0.0, verification="block"),
+        draft_model=make_model("llama", 1, V)), NUM_SEEDS, 4, dict(temperature=0.8)),
     "eagle-sampled-tree": (_sampled_eagle, NUM_SEEDS, 3, dict(temperature=0.9)),
     "medusa-sampled-tree": (_sampled_medusa, NUM_SEEDS, 3, dict(temperature=0.9)),
 }

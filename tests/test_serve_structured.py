@@ -1,4 +1,4 @@
-"""``response_format`` through ``specwise serve`` and the official ``openai`` client: a JSON schema,
+"""``response_format`` and ``logprobs`` through ``specwise serve`` and the official ``openai`` client: a JSON schema,
 a JSON object and a regex give what :func:`specwise.generate` gives in this process (streamed and
 not, greedy under every method served), and a bad format is a 400 naming ``response_format``.
 
@@ -101,3 +101,49 @@ def test_a_bad_response_format_is_a_400_naming_it(client, fmt, message):
     error = raised.value.body
     assert error["param"] == "response_format" and message in error["message"]
     assert "\n" not in error["message"]
+
+
+# --------------------------------------------------------------------------------------------
+# logprobs
+
+
+def _reference_logprobs(target, prompt_ids: list[int], tokens: list[int]):
+    import torch
+
+    with torch.no_grad():
+        logits = target.model(input_ids=torch.tensor([prompt_ids + tokens])).logits[0]
+    return logits[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(tokens)].log_softmax(-1)
+
+
+@pytest.mark.parametrize("method", ["ar", "pld"])
+def test_chat_logprobs_are_the_targets_log_softmax_streamed_or_not(client, target, method):
+    local = specwise.generate(target, messages=MESSAGES, max_new_tokens=24, method=method, logprobs=2)
+    response = client.chat.completions.create(model="tiny-text", messages=MESSAGES, max_completion_tokens=24,
+                                              temperature=0, logprobs=True, top_logprobs=2,
+                                              extra_body={"speculative": {"method": method}})
+    content = response.choices[0].logprobs.content
+    tokens = local.token_ids[:-1] if local.stop_reason == "eos" else local.token_ids
+    truth = _reference_logprobs(target, target.encode_chat(MESSAGES).tolist(), tokens)
+    assert len(content) == len(tokens)
+    for item, token, row in zip(content, tokens, truth):
+        assert item.token == target.decode([token], special_tokens=True)
+        assert item.logprob == pytest.approx(float(row[token]), abs=1e-6)
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx(row.topk(2).values.tolist(), abs=1e-6)
+        assert bytes(item.bytes) == item.token.encode()
+    chunks = list(client.chat.completions.create(model="tiny-text", messages=MESSAGES, max_completion_tokens=24,
+                                                 temperature=0, logprobs=True, top_logprobs=2, stream=True,
+                                                 extra_body={"speculative": {"method": method}}))
+    streamed = [item for c in chunks if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in content]
+
+
+def test_completions_logprobs_in_the_legacy_shape(client, target):
+    prompt = "the cat is on the mat. the cat"
+    local = specwise.generate(target, prompt, max_new_tokens=12, logprobs=3)
+    response = client.completions.create(model="tiny-text", prompt=prompt, max_tokens=12, temperature=0, logprobs=3)
+    lp = response.choices[0].logprobs
+    truth = _reference_logprobs(target, target.encode(prompt).tolist(), local.token_ids)
+    assert lp.tokens == [target.decode([t], special_tokens=True) for t in local.token_ids]
+    assert lp.token_logprobs == pytest.approx([float(row[t]) for row, t in zip(truth, local.token_ids)], abs=1e-6)
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)

@@ -11,11 +11,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from specwise.checks import check_int
 from specwise.drafters import METHODS, Drafter
 from specwise.drafters.base import check_engine, warn_renamed
 from specwise.drafters.checkpoint import is_checkpoint, read_config, shipped_drafter
 from specwise.drafters.prediction import PredictionDrafter, prediction_ids
 from specwise.engine.grammar import Grammar, GrammarCompiler, grammar_source
+from specwise.engine.logprobs import MAX_TOP_LOGPROBS
 from specwise.engine.loop import speculative_generate
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.token_ids import check_token_ids
@@ -139,6 +141,7 @@ def generate(
     prediction: str | Sequence[int] | None = None,
     ignore_eos: bool = False,
     response_format: Mapping[str, Any] | None = None,
+    logprobs: int | None = None,
     **method_options: Any,
 ) -> GenerationResult:
     """Generate text with lossless speculative decoding.
@@ -189,6 +192,9 @@ def generate(
             distributed exactly as the target's with the grammar's mask applied before the sampling
             options, under every method; it ends (``finish_reason == "stop"``) where the grammar is
             complete, or at ``max_new_tokens`` (then it need not parse).
+        logprobs: ``None``, or give ``result.logprobs``: each new token's log-probability under the
+            target (its log-softmax before the sampling options and the grammar), with this many of
+            the most likely alternatives (0 .. 20), from the rows verification computed.
         **method_options: the method's options, e.g. ``num_draft_tokens=8``, ``drafter_path=PATH``.
 
     Returns:
@@ -208,6 +214,9 @@ def generate(
         DrafterError: unknown method, a bad drafter, or a drafter built for another target.
     """
     sampling = SamplingConfig(temperature, top_k, top_p, repetition_penalty)
+    check_int("logprobs", logprobs, 0, optional=True)
+    if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
+        raise ConfigError(f"logprobs takes at most {MAX_TOP_LOGPROBS} alternatives per token, got {logprobs}.")
     grammar = compile_response_format(target, response_format)
     check_seed(seed)
     stop = check_stop_strings(stop)
@@ -262,7 +271,7 @@ def generate(
     result = speculative_generate(
         target, running, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
         generator=generator, stop_strings=stop, streamer=streamer, text_streamer=text_streamer,
-        eos_token_ids=eos_token_ids, include_stop=include_stop, grammar=grammar,
+        eos_token_ids=eos_token_ids, include_stop=include_stop, grammar=grammar, logprobs=logprobs,
     )
     if prediction is not None:
         result.stats.prediction_accepted_tokens = running.accepted_tokens

@@ -14,6 +14,7 @@ chose but has not processed yet, so the KV cache always holds ``len(committed) -
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from specwise.engine.clock import DeviceClock
 from specwise.engine.drafter import Drafter
 from specwise.engine.grammar import Grammar, GrammarState
+from specwise.engine.logprobs import TokenLogprob, token_logprobs
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.step import verify_chain, verify_proposal
 from specwise.engine.stopping import StoppingRules
@@ -40,6 +42,7 @@ def speculative_generate(
     text_streamer: Callable[[str], None] | None = None,
     eos_token_ids: frozenset[int] | None = None, include_stop: bool = True,
     grammar: Grammar | None = None,
+    logprobs: int | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with one drafter.
 
@@ -64,6 +67,8 @@ def speculative_generate(
             distributed as decoding the target with the grammar's mask applied before the sampling
             options, and ends (``stop_reason == "grammar"``) where the grammar takes no more tokens.
             Drafts it refuses are never verified; tokens it forces are drafted as well.
+        logprobs: ``None``, or return each new token's log-probability under the target with this
+            many alternatives (0 .. 20; :mod:`specwise.engine.logprobs`) in ``logprobs``.
 
     Returns:
         a :class:`GenerationResult`: ``text``, ``token_ids``, ``stats``, ``stop_reason``
@@ -83,12 +88,13 @@ def speculative_generate(
     # 0. prefill: the target's first token becomes the first root, and the drafter starts
     start = clock.now()
     constraint = None if grammar is None else grammar.start(output.eos_ids)
-    cache, first, hidden_states = _prefill(target, prompt_ids, sampling, generator, layers, constraint)
+    commit = _Commit(output, constraint, streamer, logprobs)
+    cache, first, hidden_states, first_logits = _prefill(target, prompt_ids, sampling, generator, layers, constraint)
     stats.target_forwards += 1
     stats.prefill_time_s = clock.now() - start
     committed[length] = first
     length += 1
-    _commit([first], output, constraint, streamer)
+    commit([first], first_logits)
     state = drafter.start(DraftContext(token_ids=committed[:length], max_draft_tokens=0, sampling=sampling,
                                        generator=generator, cache_length=cache.length, hidden_states=hidden_states))
     try:
@@ -102,12 +108,12 @@ def speculative_generate(
             t1 = clock.now()
             step = verify_proposal(target, cache, committed[:length], proposal, budget=budget, sampling=sampling,
                                    generator=generator, hidden_layers=drafter.step_hidden_layers(state),
-                                   grammar=constraint)
+                                   grammar=constraint, emitted_logits=logprobs is not None)
             t2 = clock.now()
             new = step.accepted + [step.next_token]
             committed[length: length + len(new)] = torch.tensor(new, dtype=torch.long)
             length += len(new)
-            _commit(new, output, constraint, streamer)
+            commit(new, step.emitted_logits)
             _record_step(stats, step, drafter.active_method(state), t1 - t0, t2 - t1)
             # 5. tell the drafter what was accepted
             drafter.observe(state, StepFeedback(committed[:length], step.num_drafted, len(step.accepted),
@@ -120,17 +126,19 @@ def speculative_generate(
     stats.new_tokens = len(output.tokens)
     stats.wall_time_s = clock.now() - start
     text = output.text if output.stop_string is not None else target.decode(output.tokens)
-    return GenerationResult(text, output.tokens, stats, output.stop_reason, output.stop_string)
+    return GenerationResult(text, output.tokens, stats, output.stop_reason, output.stop_string,
+                            None if logprobs is None else commit.logprobs[: len(output.tokens)])
 
 
 def _prefill(target, prompt_ids: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
              layers: tuple[int, ...], constraint: GrammarState | None):
-    """The prompt through a new cache: ``(cache, first token, hidden states at the prompt's positions)``."""
+    """The prompt through a new cache: ``(cache, first token, hidden states at the prompt's positions,
+    the logits row that chose the first token)``."""
     cache = target.new_cache()
     result = target.forward(prompt_ids, cache, num_logits=1, hidden_layers=layers)
     masks = None if constraint is None else constraint.chain([])[1]
     _, first = verify_chain(result.logits, prompt_ids[:0], None, prompt_ids, sampling, generator, masks=masks)
-    return cache, first, result.hidden_states
+    return cache, first, result.hidden_states, result.logits[-1:]
 
 
 def _with_forced(proposal: Proposal, constraint: GrammarState | None) -> Proposal:
@@ -146,19 +154,28 @@ def _with_forced(proposal: Proposal, constraint: GrammarState | None) -> Proposa
     return proposal.with_chain(chain)
 
 
-def _commit(new: list[int], output: StoppingRules, constraint: GrammarState | None,
-            streamer: Callable[[list[int]], None] | None) -> list[int]:
-    """Commit a step's tokens to the output (and the grammar): those up to where the grammar is
-    complete; then generation ends there. Returns the tokens kept."""
-    complete = False
-    if constraint is not None:
-        new = new[: constraint.advance(new)]
-        complete = constraint.is_stopped()
-    emitted = output.commit(new)
-    if complete:
-        output.end("grammar")
-    _stream(emitted, streamer)
-    return emitted
+@dataclass
+class _Commit:
+    """Where a step's tokens go: the grammar (up to where it is complete; then generation ends
+    there), the stopping rules, the token streamer, and their log-probabilities when asked for."""
+
+    output: StoppingRules
+    constraint: GrammarState | None
+    streamer: Callable[[list[int]], None] | None
+    top_logprobs: int | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def __call__(self, new: list[int], logits: torch.Tensor | None) -> None:
+        complete = False
+        if self.constraint is not None:
+            new = new[: self.constraint.advance(new)]
+            complete = self.constraint.is_stopped()
+        if self.top_logprobs is not None:
+            self.logprobs += token_logprobs(logits, new, self.top_logprobs)
+        emitted = self.output.commit(new)
+        if complete:
+            self.output.end("grammar")
+        _stream(emitted, self.streamer)
 
 
 def _record_step(stats: SpecStats, step, method: str, draft_s: float, verify_s: float) -> None:

@@ -168,6 +168,8 @@ class VerifiedStep:
         hidden_states: per requested layer, ``[len(accepted) + 1, H]`` at the kept positions (the
             old root and the accepted drafts).
         aux_logits: ``[R, V]`` target logits of the auxiliary rows the proposal asked for, or ``None``.
+        emitted_logits: ``[len(accepted) + 1, V]`` the target's raw logits that chose each emitted
+            token (the accepted drafts and the next token), when the caller asked for them.
     """
 
     accepted: list[int]
@@ -177,11 +179,13 @@ class VerifiedStep:
     depth: int
     hidden_states: dict[int, torch.Tensor]
     aux_logits: torch.Tensor | None = None
+    emitted_logits: torch.Tensor | None = None
 
 
 def verify_proposal(target, cache: TargetCache, context: torch.Tensor, proposal: Proposal, *, budget: int,
                     sampling: SamplingConfig, generator: torch.Generator | None,
-                    hidden_layers: tuple[int, ...], grammar: GrammarState | None = None) -> VerifiedStep:
+                    hidden_layers: tuple[int, ...], grammar: GrammarState | None = None,
+                    emitted_logits: bool = False) -> VerifiedStep:
     """Verify a proposal in one target forward and keep only the accepted path in the KV cache.
 
     Args:
@@ -197,12 +201,15 @@ def verify_proposal(target, cache: TargetCache, context: torch.Tensor, proposal:
             drafts it refuses are never verified: a chain is cut at the first one, a tree loses
             them and their subtrees (sampled siblings drawn from a q excepted: a refused one stays,
             as a leaf, because the siblings tried after it were drawn with it excluded).
+        emitted_logits: also return the raw logits of the rows that chose the emitted tokens (for
+            log-probabilities; the rows the verification computed anyway).
 
     Returns:
         :class:`VerifiedStep`; the cache then holds ``T + len(accepted) + 1`` positions.
     """
     verify = _verify_plain_chain if _is_plain_chain(proposal) else _verify_as_tree
-    return verify(target, cache, context, proposal, budget, sampling, generator, hidden_layers, grammar)
+    return verify(target, cache, context, proposal, budget, sampling, generator, hidden_layers, grammar,
+                  emitted_logits)
 
 
 def _is_plain_chain(proposal: Proposal) -> bool:
@@ -211,7 +218,7 @@ def _is_plain_chain(proposal: Proposal) -> bool:
 
 
 def _verify_plain_chain(target, cache, context, proposal, budget, sampling, generator, hidden_layers,
-                        grammar) -> VerifiedStep:
+                        grammar, emitted_logits) -> VerifiedStep:
     """The fast path: a causal forward over root + drafts, then a rollback past the accepted ones."""
     start = cache.length
     drafts = proposal.tokens[:budget]
@@ -236,11 +243,12 @@ def _verify_plain_chain(target, cache, context, proposal, budget, sampling, gene
         num_drafted=k,
         depth=k,
         hidden_states={i: h[: num_accepted + 1] for i, h in result.hidden_states.items()},
+        emitted_logits=result.logits[: num_accepted + 1] if emitted_logits else None,
     )
 
 
 def _verify_as_tree(target, cache, context, proposal, budget, sampling, generator, hidden_layers,
-                    grammar) -> VerifiedStep:
+                    grammar, emitted_logits) -> VerifiedStep:
     """A tree (and any auxiliary tokens) in one forward with a 4-D mask, walked by the proposal's rule.
 
     Unless the rule reads every node, the LM head runs on the drafter's most likely path only and
@@ -274,6 +282,7 @@ def _verify_as_tree(target, cache, context, proposal, budget, sampling, generato
         depth=int(tree.depth.max()),
         hidden_states={i: result.hidden_states[i][kept] for i in hidden_layers},
         aux_logits=result.logits[h:] if proposal.auxiliary is not None else None,
+        emitted_logits=logits.rows(kept) if emitted_logits else None,
     )
 
 

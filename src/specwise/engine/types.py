@@ -305,6 +305,8 @@ class GenerationResult:
         stop_reason: ``"length"``, ``"eos"``, ``"stop_string"`` or ``"grammar"`` (a constrained
             output complete: its grammar takes no more tokens).
         stop_string: the stop string that ended generation, else ``None``.
+        logprobs: when asked for, one :class:`~specwise.engine.logprobs.TokenLogprob` per token of
+            ``token_ids`` (the target's own log-probabilities), else ``None``.
     """
 
     text: str
@@ -312,6 +314,7 @@ class GenerationResult:
     stats: SpecStats
     stop_reason: str
     stop_string: str | None = None
+    logprobs: list | None = None
 
     @property
     def finish_reason(self) -> str:

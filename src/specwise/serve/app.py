@@ -158,7 +158,7 @@ class Service:
             return Response(status_code=499)
         record_finished(self.metrics, job, result, prepared.prompt_tokens)
         self.metrics.requests.labels(endpoint, "200").inc()
-        return completion_body(job, result, self.config.model, chat, prepared.prompt_tokens)
+        return completion_body(job, result, self.config.model, chat, prepared.prompt_tokens, self._token_text)
 
     async def _result(self, request: Request, job: Job):
         """The job's result; ``None`` when its client went away first.
@@ -179,11 +179,16 @@ class Service:
                 raise value
             return value
 
+    def _token_text(self, token: int) -> str:
+        """One token's text, special tokens kept (for log-probabilities)."""
+        return self.target.decode([token], special_tokens=True)
+
     async def _stream(self, job: Job, body, chat: bool, prompt_tokens: int):
         done = False
         try:
             async for event in stream_events(job, body, chat, self.config.model, prompt_tokens,
-                                             lambda result: record_finished(self.metrics, job, result, prompt_tokens)):
+                                             lambda result: record_finished(self.metrics, job, result, prompt_tokens),
+                                             self._token_text):
                 yield event
             done = True
         finally:

@@ -2,8 +2,8 @@
 
 Requests are pydantic models that forbid unknown fields: a parameter the server does not implement
 is refused with a 400 naming it, never silently ignored. Parameters OpenAI defines but the server
-does not implement (``n`` > 1, ``logprobs``, penalties, ``echo``, ``best_of``) are accepted only at
-their no-op values.
+does not implement (``n`` > 1, penalties, ``echo``, ``best_of``) are accepted only at their no-op
+values.
 """
 
 from __future__ import annotations
@@ -11,8 +11,19 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+)
 
+from specwise.engine.logprobs import MAX_TOP_LOGPROBS
 from specwise.engine.sampling import TEMPERATURE_RANGE
 
 #: at most this many stop strings per request (OpenAI's limit)
@@ -102,11 +113,18 @@ class _Request(_Strict):
     response_format: dict[str, Any] | None = None  # checked and compiled by the grammar module
     speculative: Speculative | None = None
 
-    @field_validator("logprobs", "top_logprobs", "echo", "suffix", check_fields=False)
+    @field_validator("echo", "suffix", check_fields=False)
     @classmethod
     def _unsupported(cls, value):
         if value:
             raise ValueError("is not supported by this server")
+        return value
+
+    @field_validator("top_logprobs", check_fields=False)
+    @classmethod
+    def _top_logprobs(cls, value):
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"must be between 0 and {MAX_TOP_LOGPROBS}")
         return value
 
     @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
@@ -190,6 +208,18 @@ class CompletionRequest(_Request):
             return value[0]
         return value
 
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value):
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"must be between 0 and {MAX_TOP_LOGPROBS} (the alternatives listed per token)")
+        return value
+
+    @property
+    def logprob_count(self) -> int | None:
+        """Alternatives per token to report with log-probabilities, or ``None`` for none."""
+        return self.logprobs
+
     @field_validator("best_of")
     @classmethod
     def _no_best_of(cls, value):
@@ -222,6 +252,18 @@ class ChatRequest(_Request):
         if not value:
             raise ValueError("must hold at least one message")
         return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs=true")
+        return value
+
+    @property
+    def logprob_count(self) -> int | None:
+        """Alternatives per token to report with log-probabilities, or ``None`` for none."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:

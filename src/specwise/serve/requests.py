@@ -170,6 +170,7 @@ def prepare(target, body, chat: bool, limits: Limits) -> Prepared:
     check_response_format(target, body)
     prompt, prompt_tokens = tokenize(target, body, chat)
     kwargs = {**sampling_kwargs(body), **prompt, "response_format": body.response_format,
+              "logprobs": body.logprob_count,
               "max_new_tokens": token_budget(body, chat, prompt_tokens, target.max_context, limits)}
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     return Prepared(request_id, kwargs, method, options, prompt_tokens)

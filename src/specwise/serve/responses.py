@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi.sse import format_sse_event
 
@@ -19,27 +19,62 @@ def _json(data) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
-def completion_body(job, result, model: str, chat: bool, prompt_tokens: int) -> dict:
-    """The non-streamed response to ``job``, whose generation returned ``result``."""
+def logprobs_body(result, chat: bool, token_text: Callable[[int], str]) -> dict | None:
+    """OpenAI's ``logprobs`` of a choice from ``result.logprobs`` (``None`` when not asked for): chat's
+    ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``, or the completions API's
+    ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``. The EOS that ended the
+    generation is left out, as it is from the text."""
+    entries = result.logprobs
+    if entries is None:
+        return None
+    if result.stop_reason == "eos" and entries:
+        entries = entries[:-1]
+
+    text = token_text
+
+    def value(logprob: float) -> float:
+        return max(logprob, -9999.0)  # JSON has no -inf; OpenAI reports -9999 for tokens it rules out
+
+    if chat:
+        def item(token: int, logprob: float) -> dict:
+            piece = text(token)
+            return {"token": piece, "logprob": value(logprob), "bytes": list(piece.encode("utf-8"))}
+        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                            for e in entries], "refusal": None}
+    pieces = [text(e.token_id) for e in entries]
+    offsets = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+    return {"tokens": pieces, "token_logprobs": [value(e.logprob) for e in entries],
+            "top_logprobs": [{text(t): value(lp) for t, lp in e.top} for e in entries] if any(e.top for e in entries)
+            else None, "text_offset": offsets}
+
+
+def completion_body(job, result, model: str, chat: bool, prompt_tokens: int,
+                    token_text: Callable[[int], str]) -> dict:
+    """The non-streamed response to ``job``, whose generation returned ``result`` (``token_text``:
+    one token's text, for log-probabilities)."""
     text = "".join(job.pieces)
     reason = finish_reason(result)
+    logprobs = logprobs_body(result, chat, token_text)
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
     return {"id": job.id, "object": "chat.completion" if chat else "text_completion", "created": now(),
             "model": model, "choices": [choice], "usage": usage(prompt_tokens, result),
             "speculative_decoding": speculative_decoding(result.stats)}
 
 
-async def stream_events(job, body, chat: bool, model: str, prompt_tokens: int, on_done) -> AsyncIterator[bytes]:
+async def stream_events(job, body, chat: bool, model: str, prompt_tokens: int, on_done,
+                        token_text: Callable[[int], str]) -> AsyncIterator[bytes]:
     """The SSE chunks of ``job`` as its events arrive, then ``data: [DONE]``; an error event (the
     time limit, a shutdown) ends the stream the same way.
 
     Args:
         job: the running :class:`~specwise.serve.worker.Job`. body: the parsed request.
         on_done: called with the result when the generation finishes (metrics, the log line).
+        token_text: one token's text; log-probabilities asked for come whole in the chunk that
+            carries the finish reason (a client that joins every chunk's list gets them all).
 
     Returns (yields):
         each chunk as bytes. Whether the stream reached its end is ``job``'s to tell: the caller
@@ -52,11 +87,11 @@ async def stream_events(job, body, chat: bool, model: str, prompt_tokens: int, o
         data = {"id": job.id, "object": kind_name, "created": created, "model": model, "choices": choices, **extra}
         return format_sse_event(data_str=_json(data))
 
-    def choice(text: str | None, reason: str | None, role: bool = False) -> dict:
+    def choice(text: str | None, reason: str | None, role: bool = False, logprobs: dict | None = None) -> dict:
         if chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
 
     if chat:
         yield chunk([choice(None, None, role=True)])
@@ -69,7 +104,7 @@ async def stream_events(job, body, chat: bool, model: str, prompt_tokens: int, o
             yield format_sse_event(data_str=_json(value.body()))
             break
         on_done(value)
-        yield chunk([choice(None, finish_reason(value))])
+        yield chunk([choice(None, finish_reason(value), logprobs=logprobs_body(value, chat, token_text))])
         if body.include_usage:
             data = {"id": job.id, "object": kind_name, "created": created, "model": model, "choices": [],
                     "usage": usage(prompt_tokens, value), "speculative_decoding": speculative_decoding(value.stats)}
