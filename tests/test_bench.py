@@ -226,7 +226,7 @@ def test_tiny_end_to_end_run(tiny_run):
 #: the results.json layout that downstream tools (specwise analyze, notebooks) rely on
 RESULT_KEYS = {"schema", "config", "records", "summaries"}
 CONFIG_KEYS = {"target", "dtype", "device", "max_new_tokens", "temperature", "seed", "prompts", "contenders",
-               "tie_margin", "weights", "chat", "ignore_eos"}
+               "tie_margin", "weights", "chat", "ignore_eos", "response_format"}
 RECORD_KEYS = {"contender", "prompt_id", "category", "new_tokens", "wall_time_s", "tokens_per_second",
                "mean_accepted_length", "drafted_by_position", "accepted_by_position", "draft_time_s",
                "verify_time_s", "matches_baseline", "divergence_index", "divergence_logit_gap", "token_ids",

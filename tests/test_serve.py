@@ -216,7 +216,7 @@ BAD_REQUESTS = [
     ("chat", {**GOOD_CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("completions", {"model": "tiny", "prompt": "t5", "logprobs": 21}, 400, "logprobs"),
     ("chat", {**GOOD_CHAT, "presence_penalty": 1.0}, 400, "presence_penalty"),
-    ("chat", {**GOOD_CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat", {**GOOD_CHAT, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
     ("chat", {**GOOD_CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("chat", {**GOOD_CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("chat", {**GOOD_CHAT, "speculative": {"method": "eagle"}}, 400, "speculative.method"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -24,6 +25,14 @@ from specwise.engine.token_ids import check_token_ids
 from specwise.engine.types import GenerationResult
 from specwise.errors import ConfigError, DrafterError, PromptError
 from specwise.targets.engine_choice import check_engine_name
+from specwise.targets.tool_calls import (
+    ToolError,
+    call_grammar,
+    call_markers,
+    check_tools,
+    chosen_tool,
+    parse_tool_calls,
+)
 
 #: drafters :func:`generate` keeps per target for the option sets it was called with (least
 #: recently used dropped): a drafter is shared, so repeated calls reuse one
@@ -125,7 +134,10 @@ def generate(
     target,
     prompt: str | list[int] | tuple[int, ...] | torch.Tensor | None = None,
     *,
-    messages: Sequence[dict[str, str]] | None = None,
+    messages: Sequence[dict[str, Any]] | None = None,
+    tools: Sequence[dict] | None = None,
+    tool_choice: str | dict | None = None,
+    parallel_tool_calls: bool = True,
     method: str = "ar",
     drafter: Drafter | None = None,
     max_new_tokens: int = 128,
@@ -157,6 +169,14 @@ def generate(
             "..."}]``; roles system, user, assistant, tool), rendered by the target's own chat template
             with the assistant's turn opened; generation also ends at the template's end-of-turn token
             (Qwen's ``<|im_end|>``, Gemma's ``<end_of_turn>``), which ``text`` leaves out.
+        tools: with ``messages``, OpenAI's tool definitions (``[{"type": "function", "function":
+            {"name", "description", "parameters"}}]``), rendered by a chat template that writes calls
+            as ``<tool_call>`` blocks (Qwen2.5's); valid calls come back as ``result.tool_calls``
+            (:mod:`specwise.targets.tool_calls`).
+        tool_choice: ``"auto"`` (the default: the model answers or calls, its calls parsed),
+            ``"none"`` (the tools are not rendered), ``"required"`` or ``{"type": "function",
+            "function": {"name": ...}}`` (the output is constrained to calls, of the named one only).
+        parallel_tool_calls: whether a constrained output may hold several calls.
         method: a registered method name (``ar``, ``pld``, ``draft``, ...); ignored when
             ``drafter`` is given.
         drafter: an already built drafter (:func:`build_drafter`), reused across calls and threads
@@ -210,13 +230,17 @@ def generate(
             target's context; both or neither of ``prompt`` and ``messages``, malformed messages, or
             messages for a target without a chat template.
         ConfigError: options out of range or of the wrong type (``stop``, ``seed`` included);
-            a bad ``response_format``, schema, regex or grammar (:class:`~specwise.engine.grammar.GrammarError`).
+            a bad ``response_format``, schema, regex or grammar (:class:`~specwise.engine.grammar.GrammarError`);
+            bad ``tools`` or ``tool_choice``, tools without messages, or tools with a response format
+            (:class:`~specwise.targets.tool_calls.ToolError`).
         DrafterError: unknown method, a bad drafter, or a drafter built for another target.
     """
     sampling = SamplingConfig(temperature, top_k, top_p, repetition_penalty)
     check_int("logprobs", logprobs, 0, optional=True)
     if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
         raise ConfigError(f"logprobs takes at most {MAX_TOP_LOGPROBS} alternatives per token, got {logprobs}.")
+    render_tools, schemas, response_format = tool_setup(tools, tool_choice, parallel_tool_calls, response_format,
+                                                        messages is not None, target)
     grammar = compile_response_format(target, response_format)
     check_seed(seed)
     stop = check_stop_strings(stop)
@@ -237,7 +261,7 @@ def generate(
                           else "give a prompt (text or token ids) or chat messages.")
     eos_token_ids = None
     if messages is not None:
-        prompt_ids = target.encode_chat(messages)
+        prompt_ids = target.encode_chat(messages, render_tools)
         eos_token_ids = target.eos_token_ids | target.end_of_turn_ids
     else:
         prompt_ids = encode_prompt(target, prompt)
@@ -276,7 +300,45 @@ def generate(
     if prediction is not None:
         result.stats.prediction_accepted_tokens = running.accepted_tokens
         result.stats.prediction_rejected_tokens = running.rejected_tokens
-    return result
+    return with_tool_calls(target, result, schemas)
+
+
+def tool_setup(tools, tool_choice, parallel: bool, response_format, chat: bool, target):
+    """A generation's tools: ``(tools to render or None, parameters schemas or None, the
+    response_format to generate with)``; a required or named choice becomes the calls' grammar
+    (its markers as the target's tokenizer spells them).
+
+    Raises:
+        ToolError: bad tools or tool choice, tools without messages, tools with a response format.
+    """
+    if tools is None:
+        if tool_choice is not None:
+            raise ToolError("tool_choice needs tools.")
+        return None, None, response_format
+    if not chat:
+        raise ToolError("tools need chat messages (the chat template renders them), not a text prompt.")
+    if not isinstance(parallel, bool):
+        raise ToolError(f"parallel_tool_calls must be True or False, got {parallel!r}.")
+    schemas = check_tools(tools)
+    mode, name = chosen_tool(tool_choice, schemas)
+    if mode == "none":
+        return None, None, response_format
+    if response_format is not None and grammar_source(response_format) is not None:
+        raise ToolError("give a response_format or tools, not both (or tool_choice 'none').")
+    if mode == "auto":
+        return list(tools), schemas, response_format
+    return list(tools), schemas, call_grammar(schemas, name, parallel, call_markers(target.tokenizer))
+
+
+def with_tool_calls(target, result: GenerationResult, schemas) -> GenerationResult:
+    """``result`` with the tool calls its output holds (:func:`parse_tool_calls`), read from its
+    tokens with special tokens kept (a template may mark ``<tool_call>`` special) and the final EOS
+    left out."""
+    if schemas is None:
+        return result
+    ids = result.token_ids[:-1] if result.stop_reason == "eos" else result.token_ids
+    parsed = parse_tool_calls(target.decode(ids, special_tokens=True), schemas)
+    return result if parsed is None else dataclasses.replace(result, tool_calls=parsed[1])
 
 
 def compile_response_format(target, response_format: Mapping[str, Any] | None) -> Grammar | None:

@@ -79,7 +79,6 @@ def speculative_generate(
     output = StoppingRules(functools.partial(target.decode, special_tokens=True),
                            target.eos_token_ids if eos_token_ids is None else eos_token_ids,
                            max_new_tokens, stop_strings, text_streamer, include_stop)
-    layers = drafter.target_hidden_layers
     # committed tokens: a step emits at most budget + 1 tokens (chains are cut and trees pruned to the
     # budget), so prompt + max_new_tokens always suffices
     committed = torch.empty(prompt_ids.numel() + max_new_tokens, dtype=torch.long, device=prompt_ids.device)
@@ -87,13 +86,12 @@ def speculative_generate(
     length = prompt_ids.numel()
     # 0. prefill: the target's first token becomes the first root, and the drafter starts
     start = clock.now()
-    constraint = None if grammar is None else grammar.start(output.eos_ids)
-    commit = _Commit(output, constraint, streamer, logprobs)
-    cache, first, hidden_states, first_logits = _prefill(target, prompt_ids, sampling, generator, layers, constraint)
-    stats.target_forwards += 1
-    stats.prefill_time_s = clock.now() - start
-    committed[length] = first
-    length += 1
+    commit = _Commit(output, None if grammar is None else grammar.start(output.eos_ids), streamer, logprobs)
+    constraint = commit.constraint
+    cache, first, hidden_states, first_logits = _prefill(target, prompt_ids, sampling, generator,
+                                                         drafter.target_hidden_layers, constraint)
+    stats.target_forwards, stats.prefill_time_s = stats.target_forwards + 1, clock.now() - start
+    committed[length], length = first, length + 1
     commit([first], first_logits)
     state = drafter.start(DraftContext(token_ids=committed[:length], max_draft_tokens=0, sampling=sampling,
                                        generator=generator, cache_length=cache.length, hidden_states=hidden_states))

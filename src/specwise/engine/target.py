@@ -106,8 +106,9 @@ class DecodingTarget(Protocol):
     def encode(self, text: str) -> torch.Tensor:
         """A prompt's ids ``[T]`` long, the model's special prefix (BOS) included."""
 
-    def encode_chat(self, messages) -> torch.Tensor:
-        """Chat messages through the target's template, the assistant's turn opened: ``[T]`` long."""
+    def encode_chat(self, messages, tools=None) -> torch.Tensor:
+        """Chat messages (and OpenAI's ``tools``, if any) through the target's template, the
+        assistant's turn opened: ``[T]`` long."""
 
     def decode(self, token_ids, special_tokens: bool = False) -> str:
         """Text of token ids."""

@@ -307,6 +307,9 @@ class GenerationResult:
         stop_string: the stop string that ended generation, else ``None``.
         logprobs: when asked for, one :class:`~specwise.engine.logprobs.TokenLogprob` per token of
             ``token_ids`` (the target's own log-probabilities), else ``None``.
+        tool_calls: when tools were given and the output is valid calls of them, the
+            :class:`~specwise.targets.tool_calls.ToolCall` list (``text`` still holds the raw output),
+            else ``None``.
     """
 
     text: str
@@ -315,9 +318,13 @@ class GenerationResult:
     stop_reason: str
     stop_string: str | None = None
     logprobs: list | None = None
+    tool_calls: list | None = None
 
     @property
     def finish_reason(self) -> str:
-        """``"stop"`` (a stop string, a complete grammar), ``"length"`` or ``"eos"``."""
+        """``"tool_calls"`` (valid calls of the tools given), ``"stop"`` (a stop string, a complete
+        grammar), ``"length"`` or ``"eos"``."""
+        if self.tool_calls:
+            return "tool_calls"
         return {"stop_string": "stop", "grammar": "stop"}.get(self.stop_reason, self.stop_reason)
 

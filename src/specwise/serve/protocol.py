@@ -228,14 +228,66 @@ class CompletionRequest(_Request):
         return value
 
 
+class FunctionCall(_Strict):
+    name: StrictStr
+    arguments: StrictStr  # a JSON object, as a string
+
+
+class ToolCallItem(_Strict):
+    """A call in an assistant message of the history."""
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
     role: StrictStr
-    content: StrictStr | list[TextPart]
+    content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: StrictStr | None = None
+    refusal: StrictStr | None = None
 
     @property
-    def text(self) -> str:
+    def text(self) -> str | None:
+        if self.content is None:
+            return None
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def as_chat(self) -> dict[str, Any]:
+        """The message as :func:`specwise.targets.chat.check_messages` takes it."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")  # checked by specwise.targets.tool_calls
+
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Request):
@@ -245,6 +297,9 @@ class ChatRequest(_Request):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
 
     @field_validator("messages")
     @classmethod
@@ -264,6 +319,15 @@ class ChatRequest(_Request):
     def logprob_count(self) -> int | None:
         """Alternatives per token to report with log-probabilities, or ``None`` for none."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def tool_kwargs(self) -> dict[str, Any]:
+        """``tools``, ``tool_choice`` and ``parallel_tool_calls`` as :func:`specwise.generate` takes them."""
+        if self.tools is None and self.tool_choice is None:
+            return {}
+        tools = None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel) else self.tool_choice
+        return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": self.parallel_tool_calls}
 
     @property
     def token_limit(self) -> int | None:
@@ -303,7 +367,10 @@ def speculative_decoding(stats) -> dict:
 
 
 def finish_reason(result) -> str:
-    """OpenAI's ``finish_reason``: ``stop`` (EOS, end of turn or a stop string) or ``length``."""
+    """OpenAI's ``finish_reason``: ``tool_calls`` (the output is valid calls), ``stop`` (EOS, end
+    of turn, a stop string, a complete grammar) or ``length``."""
+    if getattr(result, "tool_calls", None):
+        return "tool_calls"
     return "length" if result.stop_reason == "length" else "stop"
 
 

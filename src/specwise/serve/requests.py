@@ -12,10 +12,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from specwise.api import compile_response_format, encode_prompt
+from specwise.api import compile_response_format, encode_prompt, tool_setup
 from specwise.errors import SpecwiseError
 from specwise.serve.protocol import ApiError
 from specwise.serve.worker import check_request_options
+from specwise.targets.tool_calls import ToolError, supports_tools
 
 
 @dataclass(frozen=True)
@@ -96,31 +97,50 @@ def sampling_kwargs(body) -> dict[str, Any]:
                 prediction=body.prediction.text if body.prediction is not None else None)
 
 
-def check_response_format(target, body) -> None:
-    """Compile the request's ``response_format`` (kept on the target for the generation to reuse),
-    before anything runs. Slow the first time (the grammar engine reads the tokenizer): run it off
-    the event loop.
+def check_output_format(target, body, chat: bool) -> tuple[list[dict] | None, dict | None]:
+    """Check the request's tools and compile the grammar its output takes (its ``response_format``,
+    or the calls' grammar of a required or named ``tool_choice``; kept on the target for the
+    generation to reuse), before anything runs. Slow the first time (the grammar engine reads the
+    tokenizer): run it off the event loop.
+
+    Returns:
+        ``(tools the template renders or None, the response_format generated with)``.
 
     Raises:
-        ApiError: 400 naming ``response_format`` for a bad format, schema, regex or grammar.
+        ApiError: 400 naming ``tools``, ``tool_choice`` or ``response_format``: bad tools, a choice
+            naming no tool, tools with a response format or on a template that cannot render them, a
+            bad format, schema, regex or grammar.
     """
+    tools = body.tool_kwargs if chat else {}
     try:
-        compile_response_format(target, body.response_format)
+        render, _, response_format = tool_setup(tools.get("tools"), tools.get("tool_choice"),
+                                                tools.get("parallel_tool_calls", True), body.response_format, True,
+                                                target)
+    except ToolError as exc:
+        param = "tool_choice" if str(exc).startswith("tool_choice") else "tools"
+        raise ApiError(400, str(exc), param) from None
+    if render and not supports_tools(target.tokenizer):
+        raise ApiError(400, f"the chat template of {target.name} does not write tool calls as <tool_call> blocks "
+                            "(as Qwen2.5's does), so this model cannot take tools.", "tools")
+    try:
+        compile_response_format(target, response_format)
     except SpecwiseError as exc:
-        raise ApiError(400, str(exc), "response_format") from None
+        raise ApiError(400, str(exc), "response_format" if body.response_format is not None else "tools") from None
+    return render, response_format
 
 
-def tokenize(target, body, chat: bool) -> tuple[dict[str, Any], int]:
-    """The prompt as :func:`specwise.generate` takes it (``prompt`` ids, or ``messages``) and its
-    length in tokens. Slow (a tokenizer, a chat template): run it off the event loop.
+def tokenize(target, body, chat: bool, tools: list[dict] | None = None) -> tuple[dict[str, Any], int]:
+    """The prompt as :func:`specwise.generate` takes it (``prompt`` ids, or ``messages`` and the
+    ``tools`` the template renders) and its length in tokens. Slow (a tokenizer, a chat template):
+    run it off the event loop.
 
     Raises:
         ApiError: 400 for a prompt or messages the target refuses (no chat template included).
     """
     try:
         if chat:
-            messages = [{"role": m.role, "content": m.text} for m in body.messages]
-            return {"messages": messages}, int(target.encode_chat(messages).numel())
+            messages = [m.as_chat() for m in body.messages]
+            return {"messages": messages, **body.tool_kwargs}, int(target.encode_chat(messages, tools).numel())
         ids = encode_prompt(target, body.prompt)
         return {"prompt": ids}, int(ids.numel())
     except SpecwiseError as exc:
@@ -167,8 +187,8 @@ def prepare(target, body, chat: bool, limits: Limits) -> Prepared:
         ApiError: the status and field the client is told.
     """
     method, options = check_request(body, chat, limits)
-    check_response_format(target, body)
-    prompt, prompt_tokens = tokenize(target, body, chat)
+    tools, _ = check_output_format(target, body, chat)
+    prompt, prompt_tokens = tokenize(target, body, chat, tools)
     kwargs = {**sampling_kwargs(body), **prompt, "response_format": body.response_format,
               "logprobs": body.logprob_count,
               "max_new_tokens": token_budget(body, chat, prompt_tokens, target.max_context, limits)}

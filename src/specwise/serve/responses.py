@@ -11,6 +11,7 @@ from typing import AsyncIterator, Callable
 from fastapi.sse import format_sse_event
 
 from specwise.serve.protocol import finish_reason, now, speculative_decoding, usage
+from specwise.targets.tool_calls import CALL_OPEN, held_back
 
 log = logging.getLogger("specwise.serve")
 
@@ -56,8 +57,11 @@ def completion_body(job, result, model: str, chat: bool, prompt_tokens: int,
     reason = finish_reason(result)
     logprobs = logprobs_body(result, chat, token_text)
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": reason}
+        message = {"role": "assistant", "content": text}
+        if result.tool_calls:
+            message = {"role": "assistant", "content": text[:text.find(CALL_OPEN)].strip() or None,
+                       "tool_calls": [call.to_openai() for call in result.tool_calls]}
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
     return {"id": job.id, "object": "chat.completion" if chat else "text_completion", "created": now(),
@@ -93,17 +97,25 @@ async def stream_events(job, body, chat: bool, model: str, prompt_tokens: int, o
             return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
 
+    watch = CallWatch() if chat and body.tools and body.tool_choice != "none" else None
     if chat:
         yield chunk([choice(None, None, role=True)])
     while True:
         kind, value = await job.events.get()
         if kind == "text":
-            yield chunk([choice(value, None)])
+            text = watch.feed(value) if watch else value
+            if text:
+                yield chunk([choice(text, None)])
             continue
         if kind == "error":
             yield format_sse_event(data_str=_json(value.body()))
             break
         on_done(value)
+        if value.tool_calls:
+            calls = [call.to_openai(i) for i, call in enumerate(value.tool_calls)]
+            yield chunk([{"index": 0, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}])
+        elif watch and watch.pending:
+            yield chunk([choice(watch.pending, None)])
         yield chunk([choice(None, finish_reason(value), logprobs=logprobs_body(value, chat, token_text))])
         if body.include_usage:
             data = {"id": job.id, "object": kind_name, "created": created, "model": model, "choices": [],
@@ -111,6 +123,29 @@ async def stream_events(job, body, chat: bool, model: str, prompt_tokens: int, o
             yield format_sse_event(data_str=_json(data))
         break
     yield format_sse_event(data_str="[DONE]")
+
+
+class CallWatch:
+    """Streamed text with tool calls held back: what may still open a ``<tool_call>`` block waits
+    for the next piece, and nothing from the first block on is sent as text (it becomes the
+    calls, or, if they are malformed, the text sent last)."""
+
+    def __init__(self) -> None:
+        self.pending, self.opened = "", False
+
+    def feed(self, text: str) -> str:
+        """The part of ``text`` (after what was held back) that can be sent as content now."""
+        self.pending += text
+        if self.opened:
+            return ""
+        at = self.pending.find(CALL_OPEN)
+        if at >= 0:
+            self.opened = True
+            sent, self.pending = self.pending[:at], self.pending[at:]
+            return sent
+        cut = len(self.pending) - held_back(self.pending)
+        sent, self.pending = self.pending[:cut], self.pending[cut:]
+        return sent
 
 
 def record_finished(metrics, job, result, prompt_tokens: int) -> None:

@@ -5,38 +5,59 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from specwise.errors import PromptError
+from specwise.targets.tool_calls import ToolError, supports_tools, template_tool_calls
 
 ROLES = ("system", "user", "assistant", "tool")
 _SENTINEL = "\x00specwise-turn\x00"  # a content no template alters and no tokenizer merges with its neighbours
 
 
-def check_messages(messages: Any) -> list[dict[str, str]]:
+def check_messages(messages: Any) -> list[dict[str, Any]]:
     """Validate chat messages in OpenAI's shape.
 
     Args:
         messages: a non-empty sequence of ``{"role": ..., "content": str}`` mappings; ``role`` one of
-            :data:`ROLES`.
+            :data:`ROLES`. An assistant message may carry OpenAI's ``tool_calls`` (its content then
+            may be ``None``), a tool message its ``tool_call_id``; any message a ``name``.
 
     Returns:
-        the messages as a list of plain dicts (``role`` and ``content`` only).
+        the messages as a list of plain dicts: ``role`` and ``content``, and those of ``tool_calls``
+        (their arguments as objects, as chat templates read them), ``tool_call_id`` and ``name``
+        that were given.
 
     Raises:
         PromptError: not a list of such mappings, an unknown role, a content that is not a string,
-            or no message with non-blank content.
+            a malformed tool call, or no message with non-blank content or a tool call.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise PromptError("messages must be a non-empty list of {'role': ..., 'content': ...} mappings.")
     checked = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+        if not isinstance(message, dict) or "role" not in message or (
+                "content" not in message and not message.get("tool_calls")):
             raise PromptError(f"message {i} must be a mapping with 'role' and 'content', got {message!r:.80}.")
-        role, content = message["role"], message["content"]
+        role, content = message["role"], message.get("content")
         if role not in ROLES:
             raise PromptError(f"message {i} has role {role!r}; use one of {', '.join(ROLES)}.")
+        calls = message.get("tool_calls")
+        if content is None and role == "assistant" and calls:
+            content = ""
         if not isinstance(content, str):
             raise PromptError(f"message {i}'s content must be a string, got {type(content).__name__}.")
-        checked.append({"role": role, "content": content})
-    if not any(m["content"].strip() for m in checked):
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            if role != "assistant":
+                raise PromptError(f"message {i} has tool_calls, which only an assistant message may carry.")
+            try:
+                entry["tool_calls"] = template_tool_calls(calls, i)
+            except ToolError as exc:
+                raise PromptError(str(exc)) from None
+        for key in ("tool_call_id", "name"):
+            if message.get(key) is not None:
+                if not isinstance(message[key], str):
+                    raise PromptError(f"message {i}'s {key} must be a string.")
+                entry[key] = message[key]
+        checked.append(entry)
+    if not any(m["content"].strip() or m.get("tool_calls") for m in checked):
         raise PromptError("the messages are empty: every content is blank.")
     return checked
 
@@ -46,23 +67,31 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict[str, str]], name: str) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]], name: str,
+                    tools: Sequence[dict] | None = None) -> list[int]:
     """Token ids of ``messages`` rendered by the tokenizer's chat template, with the generation
     prompt (the opening of the assistant's turn) appended: exactly what
-    ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` gives.
+    ``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)``
+    gives.
 
     Args:
         tokenizer: the target's tokenizer. messages: as :func:`check_messages` returns.
         name: the target's name, for the error message.
+        tools: OpenAI's tool definitions for the template to render, or ``None``.
 
     Raises:
-        PromptError: the tokenizer has no chat template, or the template refuses the messages (for
-            instance a role order it does not allow; the template's own message is quoted).
+        PromptError: the tokenizer has no chat template, tools for a template that does not render
+            them as ``<tool_call>`` blocks, or the template refuses the messages (for instance a role
+            order it does not allow; the template's own message is quoted).
     """
     if not has_chat_template(tokenizer):
         raise PromptError(f"target {name} has no chat template, so it cannot take messages; pass a text prompt.")
+    if tools and not supports_tools(tokenizer):
+        raise PromptError(f"the chat template of {name} does not write tool calls as <tool_call> blocks "
+                          "(as Qwen2.5's does), so this target cannot take tools.")
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None,
+                                            add_generation_prompt=True, tokenize=True)
     except Exception as exc:  # jinja's TemplateError (raise_exception in the template), or a bad render
         raise PromptError(f"the chat template of {name} refused the messages: {exc}") from None
     if hasattr(ids, "keys"):  # a BatchEncoding where return_dict defaults to True

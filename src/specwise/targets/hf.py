@@ -137,14 +137,15 @@ class Target:
         generation ends at these as at :attr:`eos_token_ids`."""
         return end_of_turn_ids(self.tokenizer)
 
-    def encode_chat(self, messages) -> torch.Tensor:
+    def encode_chat(self, messages, tools=None) -> torch.Tensor:
         """Token ids of chat ``messages`` through the target's chat template, the assistant's turn
         opened (:func:`specwise.targets.chat.chat_prompt_ids`). Returns ``[T]`` long.
 
         Raises:
-            PromptError: malformed messages, or a target without a chat template.
+            PromptError: malformed messages, a target without a chat template, or ``tools`` (OpenAI's
+                tool definitions, rendered by the template) for a template that cannot take them.
         """
-        ids = chat_prompt_ids(self.tokenizer, check_messages(messages), self.name)
+        ids = chat_prompt_ids(self.tokenizer, check_messages(messages), self.name, tools)
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def decode(self, token_ids, special_tokens: bool = False) -> str:

@@ -296,9 +296,11 @@ class LlamaCppTarget:
         if not self.ctx:
             raise TargetLoadError(f"llama.cpp could not make a context of {self.max_context} positions for {name}.")
         self.memory = lc.llama_get_memory(self.ctx)
+        # llama.cpp's end-of-generation set (EOS, end of turn, and the tokens it ends at by name,
+        # e.g. Qwen2.5's <|endoftext|>, which its chat turns can end with): the set llama-server stops at
         self.eos_token_ids = frozenset(
-            t for t in (lc.llama_vocab_eos(vocab), lc.llama_vocab_eot(vocab), tokenizer.eos_token_id)
-            if t is not None and 0 <= t < self.vocab_size)
+            {t for t in range(self.vocab_size) if lc.llama_vocab_is_eog(vocab, t)}
+            | {t for t in (tokenizer.eos_token_id,) if t is not None and 0 <= t < self.vocab_size})
         self.lock = threading.Lock()  # a context decodes one batch at a time
         self._free_slots = list(range(GENERATIONS))
         self._batch = lc.llama_batch_init(BATCH_TOKENS, 0, SEQUENCES_PER_GENERATION)
@@ -487,13 +489,14 @@ class LlamaCppTarget:
     def end_of_turn_ids(self) -> frozenset[int]:
         return end_of_turn_ids(self.tokenizer)
 
-    def encode_chat(self, messages) -> torch.Tensor:
+    def encode_chat(self, messages, tools=None) -> torch.Tensor:
         """Chat messages through the target's template, the assistant's turn opened.
 
         Raises:
-            PromptError: malformed messages, or a target without a chat template.
+            PromptError: malformed messages, a target without a chat template, or ``tools`` (OpenAI's
+                tool definitions, rendered by the template) for a template that cannot take them.
         """
-        return torch.tensor(chat_prompt_ids(self.tokenizer, check_messages(messages), self.name), dtype=torch.long)
+        return torch.tensor(chat_prompt_ids(self.tokenizer, check_messages(messages), self.name, tools), dtype=torch.long)
 
     def decode(self, token_ids, special_tokens: bool = False) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=not special_tokens)
