@@ -127,6 +127,15 @@ def make_model(arch: str = "llama", seed: int = 0, vocab_size: int = VOCAB, dtyp
     return model.to(dtype).eval().requires_grad_(False)
 
 
+def save_chat_model(path, template: str, pieces: Sequence[str] = TEXT_PIECES, seed: int = 0):
+    """Save a tiny llama with the word-level tokenizer over ``pieces`` and chat ``template`` at ``path``."""
+    tokenizer = make_text_tokenizer(pieces)
+    make_model("llama", seed=seed, vocab_size=len(tokenizer)).save_pretrained(path)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @functools.lru_cache(maxsize=None)
 def cached_model(arch: str = "llama", seed: int = 0, vocab_size: int = VOCAB):
     """``make_model`` memoised; never mutate what it returns."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import specwise
-from conftest import make_model, make_text_tokenizer
+from conftest import save_chat_model
 from serving import Server
 
 openai = pytest.importorskip("openai")
@@ -35,12 +35,7 @@ MESSAGES = [{"role": "user", "content": 'name the cat: {"name":"tom","ok":true} 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("served-text") / "tiny-text"
-    tokenizer = make_text_tokenizer()
-    make_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    return path
+    return save_chat_model(tmp_path_factory.mktemp("served-text") / "tiny-text", CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

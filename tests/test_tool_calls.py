@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 import specwise
-from conftest import TEXT_PIECES, make_model, make_text_target, make_text_tokenizer
+from conftest import TEXT_PIECES, make_text_target, make_text_tokenizer, save_chat_model
 from serving import Server
 from specwise.errors import ConfigError, PromptError
 from specwise.serve.responses import CallWatch
@@ -238,12 +238,7 @@ KEY = "sk-test-key"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("served-tools") / "tiny-tools"
-    tokenizer = make_text_tokenizer(PIECES)
-    make_model("llama", seed=3, vocab_size=len(tokenizer)).save_pretrained(path)
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(path)
-    return path
+    return save_chat_model(tmp_path_factory.mktemp("served-tools") / "tiny-tools", TEMPLATE, PIECES, seed=3)
 
 
 @pytest.fixture(scope="module")
