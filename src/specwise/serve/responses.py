@@ -59,7 +59,10 @@ def completion_body(job, result, model: str, chat: bool, prompt_tokens: int,
     if chat:
         message = {"role": "assistant", "content": text}
         if result.tool_calls:
-            message = {"role": "assistant", "content": text[:text.find(CALL_OPEN)].strip() or None,
+            # the text before the first call; None when the template's markers are special tokens the
+            # decoded text leaves out (then the calls cannot be told from the text)
+            at = text.find(CALL_OPEN)
+            message = {"role": "assistant", "content": text[:at].strip() or None if at >= 0 else None,
                        "tool_calls": [call.to_openai() for call in result.tool_calls]}
         choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
     else:

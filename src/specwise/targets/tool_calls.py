@@ -211,18 +211,23 @@ def _read_call(block: str, schemas: Mapping[str, dict]) -> ToolCall | None:
         return None
     if not isinstance(data, dict) or set(data) != {"name", "arguments"} or data["name"] not in schemas:
         return None
-    arguments = data["arguments"]
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
+    arguments = _arguments_object(data["arguments"])  # some models write the arguments as a JSON string
+    if arguments is None:
         return None
     schema = schemas[data["name"]]
     if not jsonschema.validators.validator_for(schema)(schema).is_valid(arguments):
         return None
     return ToolCall(f"call_{uuid.uuid4().hex[:24]}", data["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _arguments_object(arguments: Any) -> dict | None:
+    """A call's arguments as an object: given as one, or as a JSON string of one; else ``None``."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return arguments if isinstance(arguments, dict) else None
 
 
 def template_tool_calls(calls: Any, index: int) -> list[dict]:
@@ -239,13 +244,8 @@ def template_tool_calls(calls: Any, index: int) -> list[dict]:
     for call in calls:
         function = call.get("function") if isinstance(call, Mapping) else None
         name = function.get("name") if isinstance(function, Mapping) else None
-        arguments = function.get("arguments", "{}") if isinstance(function, Mapping) else None
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                arguments = None
-        if not isinstance(name, str) or not isinstance(arguments, dict):
+        arguments = _arguments_object(function.get("arguments", "{}")) if isinstance(function, Mapping) else None
+        if not isinstance(name, str) or arguments is None:
             raise ToolError(f"message {index} has a tool call that is not {{'function': {{'name': ..., "
                             f"'arguments': a JSON object}}}}.")
         rendered.append({"id": call.get("id"), "type": "function",
