@@ -11,7 +11,7 @@ Layers, lowest first (a module may import its own layer and the ones below it):
 - ``models``: the drafters' torch modules;
 - ``interop``: the drafters in other projects' formats (detect, import, export);
 - ``drafters``: the methods and their registry, checkpoints, drafter timing;
-- ``api``: ``generate``, ``build_drafter``, ``load_drafter``;
+- ``api``: ``generate``, ``build_drafter``, ``load_drafter``; ``many``: ``generate_many`` and the batches' load rule;
 - ``serve``: the OpenAI-compatible server over ``api``;
 - ``training``: corpus, features, trainer, recipes;
 - ``lab``: benchmark, analysis, demo, reports;
@@ -33,7 +33,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 #: each layer's top-level names under ``specwise``; "" is the package root
-LAYERS = (("errors", "checks", "prompts"), ("engine",), ("targets",), ("models",), ("interop",), ("drafters",), ("api",), ("serve",), ("training",), ("lab",),
+LAYERS = (("errors", "checks", "prompts"), ("engine",), ("targets",), ("models",), ("interop",), ("drafters",), ("api", "many"), ("serve",), ("training",), ("lab",),
           ("cli", "commands", ""))
 
 

@@ -25,6 +25,7 @@ _EXPORTS = {
     "load_target": "specwise.targets.hf",
     "build_drafter": "specwise.api",
     "generate": "specwise.api",
+    "generate_many": "specwise.many",
     "load_drafter": "specwise.api",
 }
 

@@ -18,6 +18,7 @@ from specwise.drafters.base import check_engine, warn_renamed
 from specwise.drafters.checkpoint import is_checkpoint, read_config, shipped_drafter
 from specwise.drafters.prediction import PredictionDrafter, prediction_ids
 from specwise.engine.grammar import Grammar, GrammarCompiler, grammar_source
+from specwise.engine.load import LoadShare
 from specwise.engine.logprobs import MAX_TOP_LOGPROBS
 from specwise.engine.loop import speculative_generate
 from specwise.engine.sampling import SamplingConfig
@@ -154,6 +155,7 @@ def generate(
     ignore_eos: bool = False,
     response_format: Mapping[str, Any] | None = None,
     logprobs: int | None = None,
+    load: LoadShare | None = None,
     **method_options: Any,
 ) -> GenerationResult:
     """Generate text with lossless speculative decoding.
@@ -215,6 +217,9 @@ def generate(
         logprobs: ``None``, or give ``result.logprobs``: each new token's log-probability under the
             target (its log-softmax before the sampling options and the grammar), with this many of
             the most likely alternatives (0 .. 20), from the rows verification computed.
+        load: this generation's seat in a batch of generations (:func:`specwise.many.generate_many`
+            and the server hand one out): its draft budget per step follows the batch's load rule
+            (:mod:`specwise.engine.load`); the output is the same.
         **method_options: the method's options, e.g. ``num_draft_tokens=8``, ``drafter_path=PATH``.
 
     Returns:
@@ -295,7 +300,7 @@ def generate(
     result = speculative_generate(
         target, running, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
         generator=generator, stop_strings=stop, streamer=streamer, text_streamer=text_streamer,
-        eos_token_ids=eos_token_ids, include_stop=include_stop, grammar=grammar, logprobs=logprobs,
+        eos_token_ids=eos_token_ids, include_stop=include_stop, grammar=grammar, logprobs=logprobs, load=load,
     )
     if prediction is not None:
         result.stats.prediction_accepted_tokens = running.accepted_tokens

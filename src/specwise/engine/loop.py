@@ -22,6 +22,7 @@ import torch
 from specwise.engine.clock import DeviceClock
 from specwise.engine.drafter import Drafter
 from specwise.engine.grammar import Grammar, GrammarState
+from specwise.engine.load import LoadShare
 from specwise.engine.logprobs import TokenLogprob, token_logprobs
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.step import verify_chain, verify_proposal
@@ -42,7 +43,7 @@ def speculative_generate(
     text_streamer: Callable[[str], None] | None = None,
     eos_token_ids: frozenset[int] | None = None, include_stop: bool = True,
     grammar: Grammar | None = None,
-    logprobs: int | None = None,
+    logprobs: int | None = None, load: LoadShare | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with one drafter.
 
@@ -69,6 +70,8 @@ def speculative_generate(
             Drafts it refuses are never verified; tokens it forces are drafted as well.
         logprobs: ``None``, or return each new token's log-probability under the target with this
             many alternatives (0 .. 20; :mod:`specwise.engine.logprobs`) in ``logprobs``.
+        load: this generation's seat in a batch (:class:`specwise.engine.load.LoadShare`): each
+            step's draft budget is capped by the batch's load rule; ``None``: never capped.
 
     Returns:
         a :class:`GenerationResult`: ``text``, ``token_ids``, ``stats``, ``stop_reason``
@@ -98,7 +101,7 @@ def speculative_generate(
     try:
         while output.stop_reason is None:
             # 1. propose, leaving room for the bonus token
-            budget = max_new_tokens - len(output.tokens) - 1
+            budget = _budget(max_new_tokens - len(output.tokens) - 1, load)
             t0 = clock.now()
             ctx = DraftContext(committed[:length], budget, sampling, generator, cache.length)
             proposal = _with_forced(drafter.propose(state, ctx), constraint)
@@ -112,7 +115,7 @@ def speculative_generate(
             committed[length: length + len(new)] = torch.tensor(new, dtype=torch.long)
             length += len(new)
             commit(new, step.emitted_logits)
-            _record_step(stats, step, drafter.active_method(state), t1 - t0, t2 - t1)
+            _record_step(stats, step, drafter.active_method(state), t1 - t0, t2 - t1, load)
             # 5. tell the drafter what was accepted
             drafter.observe(state, StepFeedback(committed[:length], step.num_drafted, len(step.accepted),
                                                 cache.length, step.hidden_states, step.accepted_nodes,
@@ -176,8 +179,18 @@ class _Commit:
         _stream(emitted, self.streamer)
 
 
-def _record_step(stats: SpecStats, step, method: str, draft_s: float, verify_s: float) -> None:
+def _budget(room: int, load: LoadShare | None) -> int:
+    """The drafts a step may verify: what is left of the length (the bonus token kept), capped by
+    the batch's load rule."""
+    return room if load is None else load.budget(room)
+
+
+def _record_step(stats: SpecStats, step, method: str, draft_s: float, verify_s: float,
+                 load: LoadShare | None) -> None:
     stats.record_step(step.num_drafted, len(step.accepted), depth=step.depth, method=method)
+    if load is not None:
+        load.record(step.depth, len(step.accepted))
+        stats.draft_budgets = load.budgets
     stats.draft_time_s += draft_s
     stats.verify_time_s += verify_s
 

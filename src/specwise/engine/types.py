@@ -211,6 +211,8 @@ class SpecStats:
     prediction_rejected_tokens: int = 0  # ... and verified but rejected
     # which method proposed, run by run: [method, consecutive verification steps] (``auto`` switches)
     method_steps: list[list] = field(default_factory=list)
+    # in a batch (:mod:`specwise.engine.load`): the draft budget of each step the load rule capped
+    draft_budgets: list[int] = field(default_factory=list)
 
     def record_method(self, method: str) -> None:
         """Count one verification step proposed by ``method``."""

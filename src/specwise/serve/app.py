@@ -44,7 +44,9 @@ class ServerConfig:
         default_method: the method of a request that names none.
         methods: the methods a request may choose (``speculative.method``); ``default_method`` first.
         api_key: required as ``Authorization: Bearer KEY`` on ``/v1/*`` when set.
-        max_queue: requests that may wait behind the running one; beyond, 503 with ``Retry-After``.
+        max_queue: requests that may wait behind the running ones; beyond, 503 with ``Retry-After``.
+        max_batch: generations running at once where the target batches them (the llama.cpp
+            engine); 1 runs one at a time, as the torch engine always does (docs/serve.md).
         max_tokens_cap: the most new tokens a request may ask for (and the default for chat).
         max_prompt_tokens: the longest prompt accepted (413 beyond); ``None``: the target's context.
         max_messages: the most chat messages in one request (413 beyond).
@@ -58,6 +60,7 @@ class ServerConfig:
     methods: tuple[str, ...] = ("ar",)
     api_key: str | None = None
     max_queue: int = 64
+    max_batch: int = 8
     max_tokens_cap: int = 2048
     max_prompt_tokens: int | None = None
     max_messages: int = 256
@@ -85,7 +88,7 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
     """
     metrics = ServerMetrics()
     worker = GenerationWorker(target, list(config.limits.methods), config.max_queue, config.time_limit_s, metrics,
-                              {config.default_method: dict(config.default_options)})
+                              {config.default_method: dict(config.default_options)}, max_batch=config.max_batch)
     worker.start(thread=worker_thread)
     service = Service(target, config, worker, metrics)
 

@@ -50,6 +50,9 @@ def add_serve_args(p: argparse.ArgumentParser, default_target: str) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; beyond, 503 (default 64)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="generations running at once on the llama.cpp engine, batched in each forward "
+                        "(default 8; 1: one at a time; the torch engine runs one at a time)")
     p.add_argument("--max-tokens-cap", type=int, default=2048, help="most new tokens per request (default 2048)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt (default: the context)")
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds a generation may run (default 600)")
@@ -90,7 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          progress=lambda m: print(m, file=sys.stderr, flush=True), engine=engine)
     config = ServerConfig(model=args.model_name or (args.target if known else Path(args.target).name), default_method=default,
                           methods=tuple(dict.fromkeys(methods)), api_key=args.api_key, max_queue=args.max_queue,
-                          max_tokens_cap=args.max_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
+                          max_batch=args.max_batch, max_tokens_cap=args.max_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
                           time_limit_s=args.time_limit, default_options=options)
     app = create_app(target, config, worker_thread=False)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -166,7 +169,8 @@ def _checked_methods(args: argparse.Namespace) -> tuple[str, list[str], dict]:
     methods = [default, *(_split(args.methods) if args.methods else _ALWAYS)]
     for method in methods:
         METHODS.get(method)
-    for name, value in (("--port", args.port), ("--max-queue", args.max_queue), ("--max-tokens-cap", args.max_tokens_cap)):
+    for name, value in (("--port", args.port), ("--max-queue", args.max_queue), ("--max-tokens-cap", args.max_tokens_cap),
+                        ("--max-batch", args.max_batch)):
         if value < (0 if name == "--max-queue" else 1):
             raise ConfigError(f"{name} must be a positive integer, got {value}.")
     for name, value in (("--time-limit", args.time_limit), ("--shutdown-grace", args.shutdown_grace)):

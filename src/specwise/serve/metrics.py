@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
+_BUDGET_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 
 
 class ServerMetrics:
@@ -28,7 +30,16 @@ class ServerMetrics:
                                              "Time from the request to its first committed token",
                                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("specwise_queue_depth", "Requests waiting behind the running one", registry=r)
-        self.running = Gauge("specwise_running", "Requests generating now (0 or 1)", registry=r)
+        self.running = Gauge("specwise_running", "Requests generating now (at most --max-batch)", registry=r)
+        self.batch_size = Histogram("specwise_batch_size", "Generations in the batch at each capped step",
+                                    buckets=_BATCH_BUCKETS, registry=r)
+        self.draft_budget = Histogram("specwise_draft_budget", "Draft tokens a generation may verify at each "
+                                      "capped step (the load rule)", buckets=_BUDGET_BUCKETS, registry=r)
+
+    def record_decision(self, batch_size: int, budget: int) -> None:
+        """One step's load-rule decision for one generation (:mod:`specwise.engine.load`)."""
+        self.batch_size.observe(batch_size)
+        self.draft_budget.observe(budget)
 
     def record_result(self, result) -> None:
         """Add a finished generation's speculation counts."""

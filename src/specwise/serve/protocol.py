@@ -363,6 +363,9 @@ def speculative_decoding(stats) -> dict:
         "accepted_tokens": stats.accepted_tokens,
         "draft_time_s": round(stats.draft_time_s, 4),
         "verify_time_s": round(stats.verify_time_s, 4),
+        # the load rule (docs/serve.md): steps run beside other generations with a capped draft budget
+        "capped_steps": len(stats.draft_budgets),
+        "mean_draft_budget": round(sum(stats.draft_budgets) / len(stats.draft_budgets), 3) if stats.draft_budgets else None,
     }
 
 

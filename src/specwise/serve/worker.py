@@ -1,7 +1,12 @@
-"""One target, one generation at a time: a worker fed by a bounded FIFO queue.
+"""One target, its generations run by a worker fed by a bounded FIFO queue.
 
-A forward on the CPU uses every core, so two generations at once would only slow each other down;
-the worker runs them one after the other, off the event loop, through :func:`specwise.generate`
+On a target that batches generations (the llama.cpp engine, :mod:`specwise.targets.batching`)
+the worker runs up to ``max_batch`` of them at once, each on a thread of its own inside the
+target's batch: every step is one forward over all of them, a finished one leaves and the next
+waiting one joins between steps (continuous batching), and the draft budgets follow the load rule
+(:mod:`specwise.engine.load`). On the torch engine a forward uses every core, so two generations
+at once would only slow each other down: the worker runs them one after the other. Either way a
+job runs off the event loop, through :func:`specwise.generate`
 (the server has no decoding path of its own). ``specwise serve`` runs the worker on the process's
 main thread and the event loop on another: torch's CPU forwards measured markedly slower on any
 thread but the main one (docs/serve.md). Each job streams its text pieces back to the event
@@ -26,6 +31,7 @@ from typing import Any
 from specwise.api import build_drafter, generate, shared_drafter
 from specwise.drafters import METHODS
 from specwise.errors import SpecwiseError
+from specwise.many import batch_load, batches_generations
 from specwise.serve.protocol import ApiError
 
 log = logging.getLogger("specwise.serve")
@@ -159,10 +165,11 @@ def shutting_down() -> ApiError:
 
 
 class GenerationWorker:
-    """Runs jobs one at a time, first in first out, on its own thread or the caller's.
+    """Runs jobs first in first out, on its own thread or the caller's: one at a time, or up to
+    ``max_batch`` at once in the target's batch where the target batches generations.
 
     A job withdrawn while it waits (its client left) leaves the queue at once; :meth:`shutdown`
-    refuses the waiting jobs (503) and stops the running one at its next step.
+    refuses the waiting jobs (503) and stops the running ones at their next step.
 
     Args:
         target: the loaded :class:`specwise.targets.hf.Target`.
@@ -171,10 +178,12 @@ class GenerationWorker:
         time_limit_s: seconds a job may run (queueing not counted) before it is stopped.
         metrics: a :class:`specwise.serve.metrics.ServerMetrics`.
         built_options: options of a method's drafter built at start, by method (default none).
+        max_batch: generations running at once on a batching target (1: one at a time; capped
+            by the target's cache ranges, one kept free for ``auto``'s switches).
     """
 
     def __init__(self, target, methods: list[str], max_queue: int, time_limit_s: float, metrics,
-                 built_options: dict[str, dict[str, Any]] | None = None) -> None:
+                 built_options: dict[str, dict[str, Any]] | None = None, max_batch: int = 1) -> None:
         self.target = target
         self.methods = list(methods)
         self.max_queue = max_queue
@@ -184,7 +193,9 @@ class GenerationWorker:
         self._jobs: deque[Job] = deque()
         self._changed = threading.Condition()
         self._closing = False
-        self._running: Job | None = None
+        self._running: set[Job] = set()
+        self.max_batch = self._batch_width(target, max_batch, methods)
+        self._load = None
         self._drafters: dict[str, Any] = {}
         self._thread = threading.Thread(target=self.run, name="specwise-worker", daemon=True)
 
@@ -197,18 +208,30 @@ class GenerationWorker:
         """
         for method in self.methods:
             self._drafters[method] = build_drafter(self.target, method, **self.built_options.get(method, {}))
+        if self.max_batch > 1:
+            self._load = batch_load(self.target, on_decision=self.metrics.record_decision)
         if thread:
             self._thread.start()
 
+    @staticmethod
+    def _batch_width(target, max_batch: int, methods: list[str]) -> int:
+        if max_batch <= 1 or not batches_generations(target):
+            if max_batch > 1:
+                log.info("the %s engine runs one generation at a time (--max-batch %d not used)",
+                         getattr(target, "engine", "torch"), max_batch)
+            return 1
+        ranges = getattr(target, "max_generations", max_batch)
+        return max(1, min(max_batch, ranges - 1 if "auto" in methods else ranges))
+
     def shutdown(self) -> None:
-        """Refuse new and waiting jobs (503), stop the running one at its next step (it ends with a
-        503), and let :meth:`run` return; returns at once."""
+        """Refuse new and waiting jobs (503), stop the running ones at their next step (they end
+        with a 503), and let :meth:`run` return; returns at once."""
         with self._changed:
             self._closing = True
             refused, self._jobs = list(self._jobs), deque()
             self._set_gauges()
-            if self._running is not None:
-                self._running.stop(StopReason.SHUTDOWN)
+            for running in self._running:
+                running.stop(StopReason.SHUTDOWN)
             self._changed.notify_all()
         for job in refused:
             job.stop(StopReason.SHUTDOWN)
@@ -229,8 +252,8 @@ class GenerationWorker:
 
     @property
     def running(self) -> int:
-        """Jobs generating now (0 or 1)."""
-        return int(self._running is not None)
+        """Jobs generating now (at most ``max_batch``)."""
+        return len(self._running)
 
     def submit(self, job: Job) -> None:
         """Queue ``job``.
@@ -262,29 +285,37 @@ class GenerationWorker:
         return True
 
     def run(self) -> None:
-        """Run jobs in order until :meth:`shutdown`."""
+        """Run jobs in order until :meth:`shutdown` (the running ones then end at their next step)."""
         while True:
             with self._changed:
-                while not self._jobs and not self._closing:
+                while (not self._jobs or len(self._running) >= self.max_batch) and not self._closing:
                     self._changed.wait(timeout=1.0)  # a timeout lets a signal handler run on this thread
                 if self._closing:
                     return
-                job = self._running = self._jobs.popleft()
+                job = self._jobs.popleft()
+                self._running.add(job)
                 self._set_gauges()
-            try:
+            if self.max_batch == 1:
                 self._run(job)
-            finally:
-                with self._changed:
-                    self._running = None
-                    self._set_gauges()
+            else:
+                threading.Thread(target=self._run, args=(job,), name=f"specwise-{job.id}", daemon=True).start()
 
     def _set_gauges(self) -> None:
         self.metrics.queue_depth.set(len(self._jobs))
-        self.metrics.running.set(int(self._running is not None))
+        self.metrics.running.set(len(self._running))
 
     def _run(self, job: Job) -> None:
         try:
-            job.emit("done", self._generate(job))
+            self._run_job(job)
+        finally:
+            with self._changed:
+                self._running.discard(job)
+                self._set_gauges()
+                self._changed.notify_all()
+
+    def _run_job(self, job: Job) -> None:
+        try:
+            job.emit("done", self._generate(job) if self._load is None else self._generate_in_batch(job))
         except Stopped as stop:
             if str(stop) == StopReason.TIME_LIMIT:
                 job.emit("error", ApiError(504, f"the request ran past this server's time limit of "
@@ -301,7 +332,7 @@ class GenerationWorker:
             job.emit("error", ApiError(500, "the server failed to generate this response; see its log.",
                                        kind="server_error"))
 
-    def _generate(self, job: Job):
+    def _generate(self, job: Job, load=None):
         job.started = time.monotonic()
         job.deadline = job.started + self.time_limit_s
 
@@ -320,7 +351,16 @@ class GenerationWorker:
 
         job.check()
         return generate(self.target, drafter=self._drafter(job.method, job.options), streamer=on_tokens,
-                        text_streamer=on_text, include_stop=False, **job.kwargs)
+                        text_streamer=on_text, include_stop=False, load=load, **job.kwargs)
+
+    def _generate_in_batch(self, job: Job):
+        """:meth:`_generate` inside the target's batch, with a seat in the load rule."""
+        share = self._load.join()
+        try:
+            with self.target.batch_member():
+                return self._generate(job, share)
+        finally:
+            share.leave()
 
     def _drafter(self, method: str, options: dict[str, Any]):
         """The drafter for ``method`` with ``options``: the one built at start, or the target's kept

@@ -42,8 +42,11 @@ import ctypes
 import re
 import threading
 import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -51,6 +54,7 @@ import torch
 from specwise.engine.clock import cpu_flags
 from specwise.engine.target import AttentionLayout, TargetOutput
 from specwise.errors import ConfigError, TargetLoadError
+from specwise.targets.batching import DecodeBatcher
 from specwise.targets.chat import chat_prompt_ids, check_messages, end_of_turn_ids
 from specwise.targets.gguf_parts import GGUFParts
 
@@ -65,9 +69,11 @@ _SILENT = lc.llama_log_callback(lambda level, text, data: None) if lc is not Non
 #: sequence ids one generation may use: its committed sequence and one per sink of a tree
 SEQUENCES_PER_GENERATION = 32
 #: generations one context serves at once (each with its own range of sequence ids)
-GENERATIONS = 4
+GENERATIONS = 8  # x SEQUENCES_PER_GENERATION = 256, the most sequences a llama.cpp context takes
 #: tokens one ``llama_decode`` takes (a longer prompt is decoded in chunks)
 BATCH_TOKENS = 512
+#: tokens of a batch member's prompt prefilled per round (the other members step between its chunks)
+PREFILL_CHUNK = 128
 #: ggml's name of the final normed hidden state (the LM head's input)
 FINAL_NORM = b"result_norm"
 
@@ -304,6 +310,7 @@ class LlamaCppTarget:
         self.lock = threading.Lock()  # a context decodes one batch at a time
         self._free_slots = list(range(GENERATIONS))
         self._batch = lc.llama_batch_init(BATCH_TOKENS, 0, SEQUENCES_PER_GENERATION)
+        self._batcher = DecodeBatcher(self._decode_many)
         self._finalizer = weakref.finalize(self, _free_native, self._batch, self.ctx, self.model)
 
     def _context_params(self):
@@ -423,38 +430,97 @@ class LlamaCppTarget:
         return TargetOutput(torch.from_numpy(logits), hidden)
 
     def _decode(self, tokens, positions, seqs, rows, cache, taps) -> tuple[np.ndarray, dict[int, torch.Tensor]]:
+        """One forward's decode: alone, or in the batch's next round when this thread is a member
+        (:meth:`batch_member`); a member's long causal input goes in chunks of :data:`PREFILL_CHUNK`
+        tokens, a round each, so the other members' streams keep flowing while it is prefilled."""
         wanted = sorted(set(rows))
         flags = [False] * len(tokens)
         for r in wanted:
             flags[r] = True
+        copies: list[int] = []
         if cache._branches is not None:  # a tree: its branches see the committed tokens too
-            used = sorted({s for row in seqs for s in row} - {cache.base})
-        out = np.empty((len(wanted), self.vocab_size), dtype=np.float32)
-        done = 0
-        with self.lock:
-            self._taps.ask(taps)
-            if cache._branches is not None:
-                for seq in used:
-                    lc.llama_memory_seq_cp(self.memory, cache.base, seq, 0, cache.length)
-            for begin in range(0, len(tokens), BATCH_TOKENS):
-                end = min(begin + BATCH_TOKENS, len(tokens))
-                if cache._branches is not None and end < len(tokens):
-                    raise ConfigError(f"a tree of {len(tokens)} tokens exceeds one decode ({BATCH_TOKENS}).")
-                self._fill(tokens[begin:end], positions[begin:end], seqs[begin:end], flags[begin:end])
-                code = lc.llama_decode(self.ctx, self._batch)
-                if code != 0:
-                    raise ConfigError(f"llama.cpp's decode failed (code {code}) on {end - begin} tokens at "
-                                      f"position {positions[begin]}.")
-                count = sum(flags[begin:end])
-                if count:
-                    pointer = lc.llama_get_logits(self.ctx)
-                    out[done: done + count] = np.ctypeslib.as_array(pointer, shape=(count, self.vocab_size))
-                    done += count
-            got = self._taps.got
-            self._taps.ask({})
+            copies = sorted({s for row in seqs for s in row} - {cache.base})
+            if len(tokens) > BATCH_TOKENS:
+                raise ConfigError(f"a tree of {len(tokens)} tokens exceeds one decode ({BATCH_TOKENS}).")
+        chunk = PREFILL_CHUNK if self._batcher.is_member() else BATCH_TOKENS
+        logits, pieces = [], {layer: [] for layer in taps.values()}
+        for begin in range(0, len(tokens), chunk):
+            end = min(begin + chunk, len(tokens))
+            part = _Decode(tokens[begin:end], positions[begin:end], seqs[begin:end], flags[begin:end], taps,
+                           cache.base, cache.length if begin == 0 else 0, copies if begin == 0 else [])
+            out, got = self._batcher.submit(part)
+            logits.append(out)
+            for layer, array in got.items():
+                pieces[layer].append(array)
+        out = np.concatenate(logits) if len(logits) > 1 else logits[0]
         index = {r: i for i, r in enumerate(wanted)}
-        hidden = {layer: self._hidden_rows(layer, got[layer], len(tokens), wanted) for layer in taps.values()}
+        hidden = {layer: self._hidden_rows(layer, pieces[layer], len(tokens), wanted) for layer in taps.values()}
         return (out[[index[r] for r in rows]] if rows != wanted else out), hidden
+
+    def _decode_many(self, requests: list) -> None:
+        """Run the requests' decodes (each :class:`_Decode` whole), packed into as few
+        ``llama_decode`` calls of at most :data:`BATCH_TOKENS` tokens as their order allows; sets each
+        request's result to ``(logits [rows asked, V] float32, {layer: [rows, H] float32})``."""
+        groups: list[list] = [[]]
+        for request in requests:
+            if groups[-1] and sum(len(r.payload.tokens) for r in groups[-1]) + len(request.payload.tokens) > BATCH_TOKENS:
+                groups.append([])
+            groups[-1].append(request)
+        with self.lock:
+            for group in groups:
+                self._decode_group(group)
+
+    def _decode_group(self, group: list) -> None:
+        """One ``llama_decode`` over the group's requests (the lock held), their results split out."""
+        parts = [r.payload for r in group]
+        taps: dict[bytes, int] = {}
+        for part in parts:
+            taps.update(part.taps)
+        self._taps.ask(taps)
+        try:
+            for part in parts:
+                for seq in part.copies:
+                    lc.llama_memory_seq_cp(self.memory, part.base, seq, 0, part.cached)
+            self._fill([t for p in parts for t in p.tokens], [q for p in parts for q in p.positions],
+                       [s for p in parts for s in p.seqs], [f for p in parts for f in p.flags])
+            code = lc.llama_decode(self.ctx, self._batch)
+            if code != 0:
+                size = sum(len(p.tokens) for p in parts)
+                raise ConfigError(f"llama.cpp's decode failed (code {code}) on {size} tokens of {len(parts)} "
+                                  f"generation(s) at position {parts[0].positions[0]}"
+                                  + (": its cache is full." if code == 1 else "."))
+            count = sum(sum(p.flags) for p in parts)
+            out = np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(count, self.vocab_size)).copy() \
+                if count else np.empty((0, self.vocab_size), dtype=np.float32)
+            got = {layer: np.concatenate(arrays) if arrays else np.empty((0, self.hidden_size), np.float32)
+                   for layer, arrays in self._taps.got.items()}
+        finally:
+            self._taps.ask({})
+        token_at = row_at = 0
+        for request, part in zip(group, parts):
+            n, m = len(part.tokens), sum(part.flags)
+            mine = {layer: got[layer][row_at: row_at + m] if layer == self.num_layers
+                    else got[layer][token_at: token_at + n] for layer in part.taps.values()}
+            request.result = (out[row_at: row_at + m], mine)
+            token_at, row_at = token_at + n, row_at + m
+
+    @contextmanager
+    def batch_member(self) -> Iterator[None]:
+        """For the block, this thread's forwards run in one ``llama_decode`` with those of every
+        other thread inside its own block (:class:`specwise.targets.batching.DecodeBatcher`): one
+        generation per thread, each with its own cache; outside such a block a forward runs alone."""
+        with self._batcher.member():
+            yield
+
+    @property
+    def max_generations(self) -> int:
+        """Generations (caches) this target serves at once."""
+        return GENERATIONS
+
+    @property
+    def batch_size(self) -> int:
+        """Generations running in the batch now (threads inside :meth:`batch_member`)."""
+        return self._batcher.members
 
     def _hidden_rows(self, layer: int, pieces: list[np.ndarray], n: int, wanted: list[int]) -> torch.Tensor:
         """One tapped layer's ``[n, H]`` from its pieces (one per decoded chunk; the final layer's
@@ -500,6 +566,22 @@ class LlamaCppTarget:
 
     def decode(self, token_ids, special_tokens: bool = False) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=not special_tokens)
+
+
+@dataclass(frozen=True)
+class _Decode:
+    """One generation's share of a decode: its tokens with their positions, sequence ids and logit
+    flags, the tensors it taps, and the sequences (``copies``) to fill from its committed sequence
+    ``base`` (its first ``cached`` positions) before the decode (a tree's branches)."""
+
+    tokens: list[int]
+    positions: list[int]
+    seqs: list[list[int]]
+    flags: list[bool]
+    taps: dict[bytes, int]
+    base: int
+    cached: int
+    copies: list[int]
 
 
 def _free_native(batch, ctx, model) -> None:

@@ -1,0 +1,173 @@
+"""Speculation sized by load: how many draft tokens each generation of a batch may verify per step.
+
+A step of a batch of ``m`` generations verifies, in one target forward, every generation's root
+(its bonus token) and its ``k_i`` draft tokens: ``N = m + sum(k_i)`` tokens for ``v(N)`` one-token
+steps (the engine's measured cost, :class:`specwise.engine.cost_model.VerifyCostTable`). Under
+the chain model of :mod:`specwise.engine.cost_model` (each draft of generation i accepted with
+probability ``alpha_i``, independently), the step emits ``sum_i E(alpha_i, k_i)`` tokens in
+expectation. :func:`draft_budgets` chooses the ``k_i`` that maximize expected tokens per unit of
+time: for a total of ``D`` drafts the best split gives each next draft to the generation whose next
+draft is the most likely accepted (``alpha_i ** (k_i + 1)``, decreasing in ``k_i``), and ``D``
+itself is searched from 0 (plain batched decoding) up. The aggregate throughput it predicts is
+never below plain batched decoding's (``D = 0`` is a candidate), and a full batch on a
+compute-bound machine gets ``D = 0``.
+
+``alpha_i`` is each generation's measured acceptance (:class:`Acceptance`): drafts accepted against
+drafts rejected along the verified depth, with older steps decayed, so a generation whose text
+stops being predictable loses its share within a few steps. Drafting cost is not counted: the
+budget is a cap on what a drafter proposes, which drafters meet by proposing less.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from specwise.engine.cost_model import VerifyCostFn
+
+#: weight of the past in a generation's acceptance counts per step (recent steps count most)
+DECAY = 0.7
+#: the prior of a generation's acceptance (one accepted and one rejected draft)
+PRIOR = (1.0, 1.0)
+
+
+def draft_budgets(acceptance: Sequence[float], verify_cost: VerifyCostFn, max_drafts: Sequence[int]) -> list[int]:
+    """Draft tokens per generation for one batched step, maximizing expected tokens per second.
+
+    Args:
+        acceptance: per generation, its acceptance rate alpha in [0, 1].
+        verify_cost: ``v(n)``: a target forward over n tokens, in one-token steps.
+        max_drafts: per generation, the most drafts it may verify (what its drafter and its
+            remaining length allow), >= 0.
+
+    Returns:
+        ``k_i`` per generation, ``0 <= k_i <= max_drafts[i]``.
+
+    Raises:
+        ValueError: the sequences' lengths differ, or an alpha outside [0, 1].
+    """
+    if len(acceptance) != len(max_drafts):
+        raise ValueError("one acceptance rate and one draft cap per generation")
+    if any(not 0.0 <= a <= 1.0 for a in acceptance):
+        raise ValueError(f"acceptance rates lie in [0, 1], got {list(acceptance)}")
+    m = len(acceptance)
+    budgets = [0] * m
+    best, best_total = list(budgets), m / verify_cost(m) if m else 0.0
+    expected = float(m)  # the bonus tokens
+    for drafts in range(1, sum(max_drafts) + 1):
+        # the next draft goes where it is most likely accepted: alpha_i ** (k_i + 1)
+        gains = [acceptance[i] ** (budgets[i] + 1) if budgets[i] < max_drafts[i] else -1.0 for i in range(m)]
+        pick = max(range(m), key=gains.__getitem__)
+        if gains[pick] <= 0.0:
+            break
+        budgets[pick] += 1
+        expected += gains[pick]
+        rate = expected / verify_cost(m + drafts)
+        if rate > best_total:
+            best, best_total = list(budgets), rate
+    return best
+
+
+@dataclass
+class Acceptance:
+    """One generation's recent acceptance: decayed counts of accepted and rejected drafts.
+
+    A step that verified a chain (or a tree's path) ``depth`` drafts deep and accepted ``a`` of them
+    counts ``a`` accepted and one rejected draft when ``a < depth`` (the first one refused), none
+    otherwise: the geometric model's evidence, so ``alpha = accepted / (accepted + rejected)``.
+    """
+
+    accepted: float = PRIOR[0]
+    rejected: float = PRIOR[1]
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def record(self, depth: int, accepted: int) -> None:
+        """Count one step (``depth`` 0, a step with nothing drafted, tells nothing and is skipped)."""
+        if depth <= 0:
+            return
+        self.accepted = DECAY * self.accepted + accepted
+        self.rejected = DECAY * self.rejected + (1.0 if accepted < depth else 0.0)
+
+
+@dataclass(eq=False)
+class LoadShare:
+    """One generation's seat in a :class:`BatchLoad`: what the loop asks for its draft budget and
+    tells after each step. A lone generation (or one whose batch has shrunk to itself) is not capped.
+
+    Attributes:
+        load: the batch it belongs to.
+        acceptance: its recent acceptance.
+        budgets: the cap it was given, per capped step (for statistics and metrics).
+    """
+
+    load: "BatchLoad"
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    budgets: list[int] = field(default_factory=list)
+    wanted: int = 0  # the most drafts its next step may verify (its drafter's room)
+
+    def budget(self, room: int) -> int:
+        """The drafts this generation may verify next step: at most ``room`` (its own limit).
+
+        Returns ``room`` unchanged when it runs alone in its batch."""
+        cap = self.load.cap(self, room)
+        if cap is not None:
+            self.budgets.append(cap)
+            return cap
+        return room
+
+    def record(self, depth: int, accepted: int) -> None:
+        """Tell the load what the last step verified (its depth) and accepted."""
+        self.acceptance.record(depth, accepted)
+
+    def leave(self) -> None:
+        self.load.leave(self)
+
+
+class BatchLoad:
+    """The draft budgets of the generations running in one batch (:func:`draft_budgets`).
+
+    Args:
+        verify_cost: the engine's measured ``v(n)`` (:func:`specwise.engine.timing.measure_forward_times`).
+        batch_size: ``() -> int``, generations in the target's batch now; default: those joined here.
+        on_decision: called with ``(batch size, cap)`` at every capped step (metrics).
+    """
+
+    def __init__(self, verify_cost: VerifyCostFn, batch_size: Callable[[], int] | None = None,
+                 on_decision: Callable[[int, int], None] | None = None) -> None:
+        self.verify_cost = verify_cost
+        self._batch_size = batch_size
+        self._on_decision = on_decision
+        self._lock = threading.Lock()
+        self._shares: list[LoadShare] = []
+
+    def join(self) -> LoadShare:
+        """A seat for a new generation (:meth:`LoadShare.leave` gives it back)."""
+        share = LoadShare(self)
+        with self._lock:
+            self._shares.append(share)
+        return share
+
+    def leave(self, share: LoadShare) -> None:
+        with self._lock:
+            if share in self._shares:
+                self._shares.remove(share)
+
+    def cap(self, share: LoadShare, room: int) -> int | None:
+        """``share``'s budget for its next step given every seat's acceptance and room, or ``None``
+        when it runs alone."""
+        with self._lock:
+            share.wanted = max(0, room)
+            shares = list(self._shares)
+            size = len(shares) if self._batch_size is None else max(1, min(len(shares), self._batch_size()))
+        if size <= 1:
+            return None
+        budgets = draft_budgets([s.acceptance.alpha for s in shares], self.verify_cost,
+                                [s.wanted if s is share or s.wanted else room for s in shares])
+        cap = budgets[shares.index(share)]
+        if self._on_decision is not None:
+            self._on_decision(len(shares), cap)
+        return cap

@@ -1,0 +1,154 @@
+"""Many generations at once on one target: :func:`generate_many`, and the load rule it and the
+server share (:func:`batch_load`).
+
+On a target that batches generations (the llama.cpp engine: one ``llama_decode`` carries every
+running generation's tokens, :mod:`specwise.targets.batching`), each prompt runs on a thread of
+its own inside the target's batch, and each step's draft budgets follow the measured load rule
+(:mod:`specwise.engine.load`). On a target that does not (the torch engine), the prompts run one
+after the other. Either way each result is what :func:`specwise.generate` gives for that prompt
+alone: the same tokens under greedy decoding (up to a batched kernel's near-ties), the same
+distribution when sampling.
+"""
+
+from __future__ import annotations
+
+import inspect
+import queue
+import threading
+from typing import Any, Callable, Sequence
+
+from specwise.api import generate, shared_drafter
+from specwise.engine.cost_model import VerifyCostTable
+from specwise.engine.load import BatchLoad
+from specwise.engine.timing import measure_forward_times, realistic_context
+from specwise.engine.types import GenerationResult
+from specwise.errors import ConfigError, SpecwiseError
+
+#: the most generations :func:`generate_many` runs at once by default
+DEFAULT_MAX_BATCH = 8
+#: token counts at which a batching target's v(n) is measured for the load rule
+LOAD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: generate's own keyword arguments (the rest are the method's options)
+_GENERATE_ARGS = frozenset(inspect.signature(generate).parameters) - {"method_options"}
+
+
+def batches_generations(target) -> bool:
+    """Whether ``target`` runs several generations' forwards in one engine call."""
+    return callable(getattr(target, "batch_member", None))
+
+
+def batch_load(target, on_decision: Callable[[int, int], None] | None = None) -> BatchLoad:
+    """The load rule for batches on ``target``, from its v(n) measured once per target object
+    (a causal forward of n tokens, n in :data:`LOAD_SIZES`, a few repeats; kept on the target).
+
+    Args:
+        on_decision: called with ``(batch size, cap)`` at each capped step (the server's metrics).
+    """
+    cost = target.__dict__.get("_batch_verify_cost")
+    if cost is None:
+        sizes = [n for n in LOAD_SIZES if n <= getattr(target, "max_context", 1 << 30) // 2]
+        context = realistic_context(target, max(sizes))
+        times = measure_forward_times(target, context, sizes, repeats=2)
+        cost = VerifyCostTable(tuple(sizes), tuple(t / times[0] for t in times))
+        target.__dict__["_batch_verify_cost"] = cost
+    return BatchLoad(cost, batch_size=lambda: target.batch_size, on_decision=on_decision)
+
+
+def generate_many(target, prompts: Sequence[Any] | None = None, *, messages: Sequence[Sequence[dict]] | None = None,
+                  max_batch: int = DEFAULT_MAX_BATCH, method: str = "ar", seed: int | Sequence[int | None] | None = None,
+                  **kwargs: Any) -> list[GenerationResult]:
+    """Generate for many prompts (or chats) at once: one :class:`GenerationResult` per prompt, in order.
+
+    Args:
+        target: a loaded target; one that batches generations (:func:`batches_generations`) runs
+            up to ``max_batch`` of them in each forward, joining and leaving between steps.
+        prompts: each as :func:`specwise.generate` takes ``prompt`` (text or token ids).
+        messages: instead of ``prompts``, one chat per generation.
+        max_batch: generations running at once, >= 1 (at most the target's own limit).
+        method: the method every generation uses (one drafter, built once and shared).
+        seed: one seed for every prompt, one per prompt, or ``None``.
+        **kwargs: anything else :func:`specwise.generate` takes (sampling, ``max_new_tokens``,
+            ``stop``, ``response_format``, ...) and the method's options, for every prompt.
+
+    Returns:
+        one result per prompt, each as :func:`specwise.generate` would give it for that prompt.
+
+    Raises:
+        ConfigError: neither or both of ``prompts`` and ``messages``, none given, a bad
+            ``max_batch`` or a seed list of another length.
+        SpecwiseError: what :func:`specwise.generate` raises for a prompt, its index named (the
+            other prompts still run to their end first).
+    """
+    items = _items(prompts, messages)
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}.")
+    seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(items)
+    if len(seeds) != len(items):
+        raise ConfigError(f"{len(seeds)} seeds for {len(items)} prompts: give one seed, or one per prompt.")
+    options = {k: v for k, v in kwargs.items() if k not in _GENERATE_ARGS}
+    common = {k: v for k, v in kwargs.items() if k in _GENERATE_ARGS}
+    if "drafter" not in common:
+        common["drafter"] = shared_drafter(target, method, **options)
+    elif options:
+        raise ConfigError("method options cannot be combined with an already built drafter.")
+    jobs = [dict(common, seed=s, **item) for item, s in zip(items, seeds)]
+    if not batches_generations(target) or max_batch == 1 or len(jobs) == 1:
+        return [_named(i, lambda job=job: generate(target, **job)) for i, job in enumerate(jobs)]
+    return _run_batched(target, jobs, min(max_batch, getattr(target, "max_generations", max_batch)))
+
+
+def _items(prompts, messages) -> list[dict]:
+    if (prompts is None) == (messages is None):
+        raise ConfigError("give either prompts or chats (messages), not both." if prompts is not None
+                          else "give prompts or chats (messages).")
+    given = prompts if prompts is not None else messages
+    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or not len(given):
+        raise ConfigError("prompts (or messages) must be a non-empty list, one entry per generation.")
+    key = "prompt" if prompts is not None else "messages"
+    return [{key: item} for item in given]
+
+
+def _named(index: int, run: Callable[[], GenerationResult]) -> GenerationResult:
+    try:
+        return run()
+    except SpecwiseError as exc:
+        raise type(exc)(f"prompt {index}: {exc}") from None
+
+
+def _run_batched(target, jobs: list[dict], width: int) -> list[GenerationResult]:
+    """The jobs on ``width`` threads, each generation inside the target's batch with a seat in one load rule."""
+    load = batch_load(target)
+    results: list[GenerationResult | None] = [None] * len(jobs)
+    errors: dict[int, BaseException] = {}
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for index in range(len(jobs)):
+        todo.put(index)
+
+    def work() -> None:
+        while True:
+            try:
+                index = todo.get_nowait()
+            except queue.Empty:
+                return
+            share = load.join()
+            try:
+                with target.batch_member():
+                    results[index] = generate(target, load=share, **jobs[index])
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+                errors[index] = exc
+            finally:
+                share.leave()
+
+    threads = [threading.Thread(target=work, name=f"specwise-batch-{i}", daemon=True)
+               for i in range(min(width, len(jobs)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        first = min(errors)
+        exc = errors[first]
+        if isinstance(exc, SpecwiseError):
+            raise type(exc)(f"prompt {first}: {exc}") from None
+        raise exc
+    return results  # type: ignore[return-value]

@@ -1,0 +1,120 @@
+"""Several generations' forwards in one engine call: the gathering half of continuous batching.
+
+Each generation runs its own decoding loop on its own thread, unchanged; a thread that enrolls as
+a *member* (:meth:`DecodeBatcher.member`) has its target forwards gathered with every other
+member's: when every member has one waiting, the last to arrive runs them all in one call of the
+engine (``run_many``) and wakes the others. A generation joins the batch at its first forward and
+leaves it when its ``member`` block ends (finished, cancelled, timed out or failed), so the batch
+changes between steps, never inside one. A thread that is not a member runs its forwards alone,
+as before.
+
+Each request carries its own cache (a range of sequence ids on the llama.cpp engine), so what one
+generation computes does not depend on which others share its step, except through the engine's
+kernels (a batched matmul may round a near-tie otherwise, as a longer verification can).
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+
+@dataclass(eq=False)
+class DecodeRequest:
+    """One generation's forward, waiting to be run with others.
+
+    Attributes:
+        payload: what the engine's ``run_many`` reads (its own shape).
+        result: what ``run_many`` set for it.
+        error: the exception ``run_many`` raised, re-raised on the request's own thread.
+    """
+
+    payload: Any
+    result: Any = None
+    error: BaseException | None = None
+    done: bool = field(default=False, repr=False)
+
+
+class DecodeBatcher:
+    """Gathers the members' forwards and runs each round in one ``run_many`` call.
+
+    Args:
+        run_many: ``list[DecodeRequest] -> None``; sets each request's ``result`` (it serializes
+            engine access itself, so a lone forward from a non-member can use it too).
+    """
+
+    def __init__(self, run_many: Callable[[list[DecodeRequest]], None]) -> None:
+        self._run_many = run_many
+        self._changed = threading.Condition()
+        self._members: set[int] = set()
+        self._pending: list[DecodeRequest] = []
+        self._running = False
+        self.rounds = 0  # batched rounds run (for tests and metrics)
+
+    @property
+    def members(self) -> int:
+        """Threads enrolled now (generations running in the batch)."""
+        return len(self._members)
+
+    def is_member(self) -> bool:
+        """Whether the calling thread is enrolled."""
+        with self._changed:
+            return threading.get_ident() in self._members
+
+    @contextmanager
+    def member(self) -> Iterator[None]:
+        """Enroll the calling thread for the block: its forwards run batched with the other members'."""
+        ident = threading.get_ident()
+        with self._changed:
+            if ident in self._members:
+                raise RuntimeError("this thread is already a member of the batch")
+            self._members.add(ident)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._members.discard(ident)
+                self._changed.notify_all()  # the others may all be waiting for this one
+
+    def submit(self, payload: Any) -> Any:
+        """Run one forward: alone for a non-member, else with the members' next round.
+
+        Returns:
+            what ``run_many`` set as the request's result.
+
+        Raises:
+            whatever ``run_many`` raised for the round.
+        """
+        request = DecodeRequest(payload)
+        if not self.is_member():
+            self._run_many([request])
+        else:
+            self._wait_for_round(request)
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def _wait_for_round(self, request: DecodeRequest) -> None:
+        with self._changed:
+            self._pending.append(request)
+            self._changed.notify_all()
+            while not request.done:
+                if self._running or len(self._pending) < len(self._members):
+                    self._changed.wait(timeout=0.5)
+                    continue
+                batch, self._pending, self._running = self._pending, [], True
+                self._changed.release()
+                try:
+                    self._run_many(batch)
+                except BaseException as exc:  # noqa: BLE001 - every request of the round gets it
+                    for item in batch:
+                        item.error = item.error or exc
+                finally:
+                    self._changed.acquire()
+                    for item in batch:
+                        item.done = True
+                    self._running = False
+                    self.rounds += 1
+                    self._changed.notify_all()

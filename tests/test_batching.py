@@ -1,0 +1,274 @@
+"""Many generations at once (:mod:`specwise.targets.batching`, :mod:`specwise.engine.load`,
+:func:`specwise.generate_many`, the server's ``--max-batch``): every request's output is what it
+is alone.
+
+On tiny random F32 GGUF files on the llama.cpp engine (a Llama and a Gemma-3 with sliding-window
+layers): greedy requests batched together, joining and leaving between steps, with different
+methods, lengths and stop strings, give token for token what each gives alone; a cancelled request
+leaves the others' tokens alone; a sampled request among others is distributed as alone
+(chi-square); the load rule's maths is checked on its own.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import specwise
+from conftest import make_tokenizer
+from specwise.engine.cost_model import VerifyCostTable
+from specwise.engine.load import Acceptance, BatchLoad, draft_budgets
+from specwise.errors import ConfigError, PromptError
+from specwise.targets.batching import DecodeBatcher
+
+llamacpp = pytest.importorskip("specwise.targets.llamacpp")
+if not llamacpp.available():
+    pytest.skip("llama-cpp-python is not installed (the [llamacpp] extra)", allow_module_level=True)
+
+from tiny_gguf import write_tiny_gemma3, write_tiny_llama  # noqa: E402
+
+VOCAB = 128
+BASE = [5, 9, 17, 33, 9, 17, 40, 51, 9, 17, 33, 9, 60, 61, 5, 9, 17, 33, 70, 71]
+PROMPTS = [BASE[: 4 + 2 * i] for i in range(8)]
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def target(request, tmp_path_factory):
+    write = write_tiny_llama if request.param == "llama" else write_tiny_gemma3
+    path = write(tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf")
+    return llamacpp.LlamaCppTarget(path, make_tokenizer(VOCAB), f"tiny-{request.param}", threads=1)
+
+
+# ---------------------------------------------------------------- the load rule
+def test_a_compute_bound_batch_gets_no_drafts_and_a_memory_bound_one_drafts():
+    linear = VerifyCostTable((1, 64), (1.0, 64.0))  # every token costs a full step: drafts never pay
+    assert draft_budgets([0.9] * 4, linear, [8] * 4) == [0, 0, 0, 0]
+    flat = VerifyCostTable((1, 64), (1.0, 1.0))  # free verification: every draft that may be accepted pays
+    assert draft_budgets([0.9, 0.5], flat, [8, 8]) == [8, 8]
+
+
+def test_drafts_go_where_they_are_accepted():
+    cost = VerifyCostTable((1, 8, 16, 32), (1.0, 1.3, 2.0, 4.0))
+    budgets = draft_budgets([0.9, 0.2, 0.6], cost, [16, 16, 16])
+    assert budgets[0] > budgets[2] > budgets[1] >= 0
+    assert draft_budgets([0.9, 0.9], cost, [3, 0]) [1] == 0  # never past a generation's own room
+
+
+def test_the_chosen_budgets_beat_plain_batched_decoding_in_the_model():
+    cost = VerifyCostTable((1, 4, 8, 16, 32, 64), (1.0, 1.1, 1.4, 2.1, 3.9, 7.5))
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        alphas = list(rng.uniform(0, 1, size=int(rng.integers(1, 9))))
+        budgets = draft_budgets(alphas, cost, [12] * len(alphas))
+        expected = sum((1 - a ** (k + 1)) / (1 - a) for a, k in zip(alphas, budgets))
+        assert expected / cost(len(alphas) + sum(budgets)) >= len(alphas) / cost(len(alphas)) - 1e-12
+
+
+def test_acceptance_follows_recent_steps():
+    acceptance = Acceptance()
+    for _ in range(30):
+        acceptance.record(depth=4, accepted=4)
+    high = acceptance.alpha
+    for _ in range(10):
+        acceptance.record(depth=4, accepted=0)
+    assert high > 0.9 and acceptance.alpha < 0.4
+    acceptance.record(depth=0, accepted=0)  # nothing drafted tells nothing
+
+
+def test_a_lone_generation_is_never_capped():
+    load = BatchLoad(VerifyCostTable((1, 64), (1.0, 64.0)))
+    share = load.join()
+    assert share.budget(40) == 40 and not share.budgets
+    other = load.join()
+    assert share.budget(40) == 0 and share.budgets == [0]  # compute-bound: plain batched decoding
+    other.leave()
+    assert share.budget(40) == 40
+
+
+# ---------------------------------------------------------------- the batcher
+def test_the_members_forwards_run_in_one_round_and_a_stranger_runs_alone():
+    rounds: list[list] = []
+    batcher = DecodeBatcher(lambda requests: (rounds.append([r.payload for r in requests]),
+                                              [setattr(r, "result", r.payload * 10) for r in requests]))
+    results = {}
+    start = threading.Barrier(3)
+
+    def member(value):
+        with batcher.member():
+            start.wait()
+            results[value] = batcher.submit(value)
+
+    threads = [threading.Thread(target=member, args=(v,)) for v in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {1: 10, 2: 20, 3: 30}
+    assert len(rounds) == 1 and sorted(rounds[0]) == [1, 2, 3]
+    assert batcher.submit(7) == 70 and rounds[-1] == [7]
+
+
+def test_a_failed_round_raises_in_every_member_and_a_leaving_one_frees_the_rest():
+    def fail(requests):
+        raise RuntimeError("decode failed")
+
+    batcher = DecodeBatcher(fail)
+    errors = []
+    ready = threading.Barrier(2)
+
+    def member():
+        with batcher.member():
+            ready.wait()
+            try:
+                batcher.submit(1)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+
+    threads = [threading.Thread(target=member) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert errors == ["decode failed"] * 2
+    done = DecodeBatcher(lambda requests: [setattr(r, "result", 1) for r in requests])
+    idle = threading.Event()
+    leave = threading.Event()
+
+    def idle_member():
+        with done.member():
+            idle.set()
+            leave.wait()  # never submits: the other member's round waits for it to leave
+
+    t = threading.Thread(target=idle_member)
+    t.start()
+    idle.wait()
+    out = []
+    with done.member():
+        threading.Timer(0.2, leave.set).start()
+        out.append(done.submit(0))
+    t.join()
+    assert out == [1]
+
+
+# ---------------------------------------------------------------- batched generations are exact
+def alone(target, prompts, **kwargs):
+    return [specwise.generate(target, p, **kwargs) for p in prompts]
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "lookahead"])
+def test_a_batch_gives_each_prompt_its_own_greedy_tokens(target, method):
+    kwargs = dict(method=method, max_new_tokens=36)
+    many = specwise.generate_many(target, PROMPTS, max_batch=4, **kwargs)  # 8 prompts, 4 at a time: joins and leaves
+    assert [r.token_ids for r in many] == [r.token_ids for r in alone(target, PROMPTS, **kwargs)]
+    assert any(r.stats.draft_budgets for r in many)  # the load rule ran
+
+
+def test_mixed_requests_in_one_batch_are_each_their_own(target):
+    """Different methods, lengths, stop strings and sampled neighbours in one batch; a greedy
+    request's tokens are its own whatever runs beside it."""
+    jobs = [dict(prompt=PROMPTS[0], method="pld", max_new_tokens=40),
+            dict(prompt=PROMPTS[1], method="lookahead", max_new_tokens=7),
+            dict(prompt=PROMPTS[2], method="ar", max_new_tokens=30, temperature=0.9, seed=3),
+            dict(prompt=PROMPTS[3], method="pld", max_new_tokens=25, stop=["t17"]),
+            dict(prompt=PROMPTS[4], method="ar", max_new_tokens=50)]
+    truth = [specwise.generate(target, **job) for job in jobs]
+    load = specwise.many.batch_load(target)
+    out = [None] * len(jobs)
+
+    def run(i):
+        share = load.join()
+        try:
+            with target.batch_member():
+                out[i] = specwise.generate(target, load=share, **jobs[i])
+        finally:
+            share.leave()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in (0, 1, 3, 4):
+        assert out[i].token_ids == truth[i].token_ids and out[i].text == truth[i].text
+    assert out[3].stop_string == truth[3].stop_string
+    assert len(out[2].token_ids) <= 30
+
+
+def test_a_cancelled_request_leaves_the_others_alone(target):
+    class Cancelled(Exception):
+        pass
+
+    truth = alone(target, PROMPTS[:3], method="pld", max_new_tokens=40)
+    out: dict[int, object] = {}
+
+    def run(i):
+        def streamer(tokens, seen=[0]):
+            seen[0] += len(tokens)
+            if i == 1 and seen[0] >= 5:
+                raise Cancelled
+
+        with target.batch_member():
+            try:
+                out[i] = specwise.generate(target, PROMPTS[i], method="pld", max_new_tokens=40, streamer=streamer)
+            except Cancelled:
+                out[i] = "cancelled"
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out[1] == "cancelled"
+    assert out[0].token_ids == truth[0].token_ids and out[2].token_ids == truth[2].token_ids
+    # its sequences were freed: as many generations as there are ranges still fit
+    assert len(specwise.generate_many(target, PROMPTS, max_batch=8, max_new_tokens=4)) == len(PROMPTS)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(target):
+    long_prompt = (BASE * 20)[: llamacpp.PREFILL_CHUNK * 2 + 17]
+    prompts = [PROMPTS[0], long_prompt, PROMPTS[2]]
+    many = specwise.generate_many(target, prompts, method="pld", max_new_tokens=24)
+    assert [r.token_ids for r in many] == [r.token_ids for r in alone(target, prompts, method="pld", max_new_tokens=24)]
+
+
+def test_a_sampled_request_among_others_keeps_its_distribution(target):
+    if target.name != "tiny-llama":
+        pytest.skip("one architecture suffices: what batching could change is the engine's, not the model's")
+    """The second new token of a temperature-1 request, drawn 20,000 times in batches of 8 with
+    prompt lookup drafting (so load caps and rejection sampling both act), against the target's
+    own distribution, computed exactly from its logits."""
+    from scipy.stats import chisquare
+
+    prompt = PROMPTS[3]
+    cache = target.new_cache()
+    first = torch.softmax(target.forward(torch.tensor(prompt), cache, num_logits=1).logits[-1].double(), -1)
+    expected = torch.zeros(VOCAB, dtype=torch.float64)
+    for token in torch.nonzero(first > 1e-6).flatten().tolist():
+        branch = target.new_cache()
+        logits = target.forward(torch.tensor(prompt + [token]), branch, num_logits=1).logits[-1].double()
+        expected += first[token] * torch.softmax(logits, -1)
+    del cache, branch  # their sequence ranges go back for the batch
+    draws = 20_000
+    results = specwise.generate_many(target, [prompt] * draws, method="pld", max_new_tokens=2, temperature=1.0,
+                                     seed=list(range(draws)), ignore_eos=True, max_batch=8,
+                                     min_ngram_size=1, max_ngram_size=3)
+    counts = np.bincount([r.token_ids[1] for r in results], minlength=VOCAB)
+    keep = expected.numpy() * draws >= 5
+    observed = np.append(counts[keep], counts[~keep].sum())
+    wanted = np.append(expected.numpy()[keep], expected.numpy()[~keep].sum()) * draws
+    assert chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue > 1e-3
+
+
+# ---------------------------------------------------------------- the library call
+def test_generate_many_refuses_bad_input_in_one_sentence(target):
+    with pytest.raises(ConfigError, match="non-empty list"):
+        specwise.generate_many(target, [])
+    with pytest.raises(ConfigError, match="max_batch"):
+        specwise.generate_many(target, PROMPTS, max_batch=0)
+    with pytest.raises(ConfigError, match="3 seeds for 8 prompts"):
+        specwise.generate_many(target, PROMPTS, seed=[1, 2, 3])
+    with pytest.raises(PromptError, match="^prompt 1: "):
+        specwise.generate_many(target, [PROMPTS[0], [], PROMPTS[2]], max_new_tokens=4)
