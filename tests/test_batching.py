@@ -20,7 +20,7 @@ import torch
 import specwise
 from conftest import make_tokenizer
 from specwise.engine.cost_model import VerifyCostTable
-from specwise.engine.load import Acceptance, BatchLoad, draft_budgets
+from specwise.engine.load import Acceptance, BatchLoad, cost_table, draft_budgets
 from specwise.errors import ConfigError, PromptError
 from specwise.targets.batching import DecodeBatcher
 
@@ -44,27 +44,35 @@ def target(request, tmp_path_factory):
 
 # ---------------------------------------------------------------- the load rule
 def test_a_compute_bound_batch_gets_no_drafts_and_a_memory_bound_one_drafts():
-    linear = VerifyCostTable((1, 64), (1.0, 64.0))  # every token costs a full step: drafts never pay
+    linear = cost_table(VerifyCostTable((1, 64), (1.0, 64.0)), 64)  # every token costs a step: drafts never pay
     assert draft_budgets([0.9] * 4, linear, [8] * 4) == [0, 0, 0, 0]
-    flat = VerifyCostTable((1, 64), (1.0, 1.0))  # free verification: every draft that may be accepted pays
+    flat = cost_table(VerifyCostTable((1, 64), (1.0, 1.0)), 64)  # free verification: every likely draft pays
     assert draft_budgets([0.9, 0.5], flat, [8, 8]) == [8, 8]
+    assert draft_budgets([0.9, 0.5], flat, [0, 0]) == [0, 0] and draft_budgets([], flat, []) == []
 
 
 def test_drafts_go_where_they_are_accepted():
-    cost = VerifyCostTable((1, 8, 16, 32), (1.0, 1.3, 2.0, 4.0))
+    cost = cost_table(VerifyCostTable((1, 8, 16, 32), (1.0, 1.3, 2.0, 4.0)), 64)
     budgets = draft_budgets([0.9, 0.2, 0.6], cost, [16, 16, 16])
     assert budgets[0] > budgets[2] > budgets[1] >= 0
     assert draft_budgets([0.9, 0.9], cost, [3, 0]) [1] == 0  # never past a generation's own room
 
 
 def test_the_chosen_budgets_beat_plain_batched_decoding_in_the_model():
-    cost = VerifyCostTable((1, 4, 8, 16, 32, 64), (1.0, 1.1, 1.4, 2.1, 3.9, 7.5))
+    cost = cost_table(VerifyCostTable((1, 4, 8, 16, 32, 64), (1.0, 1.1, 1.4, 2.1, 3.9, 7.5)), 128)
     rng = np.random.default_rng(0)
     for _ in range(50):
         alphas = list(rng.uniform(0, 1, size=int(rng.integers(1, 9))))
         budgets = draft_budgets(alphas, cost, [12] * len(alphas))
         expected = sum((1 - a ** (k + 1)) / (1 - a) for a, k in zip(alphas, budgets))
-        assert expected / cost(len(alphas) + sum(budgets)) >= len(alphas) / cost(len(alphas)) - 1e-12
+        assert expected / cost[len(alphas) + sum(budgets)] >= len(alphas) / cost[len(alphas)] - 1e-12
+        # no split of the same total does better (the greedy split is optimal for a total)
+        if len(alphas) == 2 and sum(budgets):
+            for k0 in range(0, min(12, sum(budgets)) + 1):
+                k1 = sum(budgets) - k0
+                if k1 <= 12:
+                    other = sum((1 - a ** (k + 1)) / (1 - a) for a, k in zip(alphas, (k0, k1)))
+                    assert other <= expected + 1e-9
 
 
 def test_acceptance_follows_recent_steps():

@@ -13,6 +13,7 @@ distribution when sampling.
 from __future__ import annotations
 
 import inspect
+import logging
 import queue
 import threading
 from typing import Any, Callable, Sequence
@@ -23,6 +24,8 @@ from specwise.engine.load import BatchLoad
 from specwise.engine.timing import measure_forward_times, realistic_context
 from specwise.engine.types import GenerationResult
 from specwise.errors import ConfigError, SpecwiseError
+
+log = logging.getLogger("specwise.batch")
 
 #: the most generations :func:`generate_many` runs at once by default
 DEFAULT_MAX_BATCH = 8
@@ -51,6 +54,8 @@ def batch_load(target, on_decision: Callable[[int, int], None] | None = None) ->
         times = measure_forward_times(target, context, sizes, repeats=2)
         cost = VerifyCostTable(tuple(sizes), tuple(t / times[0] for t in times))
         target.__dict__["_batch_verify_cost"] = cost
+        log.info("v(n) on %s for batches: %s", getattr(target, "name", "the target"),
+                 ", ".join(f"{n}: {v:.2f}" for n, v in zip(cost.num_tokens, cost.relative_cost)))
     return BatchLoad(cost, batch_size=lambda: target.batch_size, on_decision=on_decision)
 
 

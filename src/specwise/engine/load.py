@@ -24,20 +24,25 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 from specwise.engine.cost_model import VerifyCostFn
 
 #: weight of the past in a generation's acceptance counts per step (recent steps count most)
 DECAY = 0.7
 #: the prior of a generation's acceptance (one accepted and one rejected draft)
 PRIOR = (1.0, 1.0)
+#: the most drafts the rule gives one generation per step, and the most tokens one batched step verifies
+MAX_DRAFTS, MAX_STEP_TOKENS = 64, 512
 
 
-def draft_budgets(acceptance: Sequence[float], verify_cost: VerifyCostFn, max_drafts: Sequence[int]) -> list[int]:
+def draft_budgets(acceptance: Sequence[float], costs: np.ndarray, max_drafts: Sequence[int]) -> list[int]:
     """Draft tokens per generation for one batched step, maximizing expected tokens per second.
 
     Args:
         acceptance: per generation, its acceptance rate alpha in [0, 1].
-        verify_cost: ``v(n)``: a target forward over n tokens, in one-token steps.
+        costs: ``[N + 1]`` float, ``costs[n] = v(n)``, a target forward over n tokens in one-token
+            steps (:func:`cost_table`); the batch never verifies more than N tokens.
         max_drafts: per generation, the most drafts it may verify (what its drafter and its
             remaining length allow), >= 0.
 
@@ -45,28 +50,39 @@ def draft_budgets(acceptance: Sequence[float], verify_cost: VerifyCostFn, max_dr
         ``k_i`` per generation, ``0 <= k_i <= max_drafts[i]``.
 
     Raises:
-        ValueError: the sequences' lengths differ, or an alpha outside [0, 1].
+        ValueError: the sequences' lengths differ, an alpha outside [0, 1], or more generations
+            than ``costs`` covers.
     """
-    if len(acceptance) != len(max_drafts):
-        raise ValueError("one acceptance rate and one draft cap per generation")
-    if any(not 0.0 <= a <= 1.0 for a in acceptance):
-        raise ValueError(f"acceptance rates lie in [0, 1], got {list(acceptance)}")
     m = len(acceptance)
-    budgets = [0] * m
-    best, best_total = list(budgets), m / verify_cost(m) if m else 0.0
-    expected = float(m)  # the bonus tokens
-    for drafts in range(1, sum(max_drafts) + 1):
-        # the next draft goes where it is most likely accepted: alpha_i ** (k_i + 1)
-        gains = [acceptance[i] ** (budgets[i] + 1) if budgets[i] < max_drafts[i] else -1.0 for i in range(m)]
-        pick = max(range(m), key=gains.__getitem__)
-        if gains[pick] <= 0.0:
-            break
-        budgets[pick] += 1
-        expected += gains[pick]
-        rate = expected / verify_cost(m + drafts)
-        if rate > best_total:
-            best, best_total = list(budgets), rate
-    return best
+    if m != len(max_drafts):
+        raise ValueError("one acceptance rate and one draft cap per generation")
+    alpha = np.asarray(acceptance, dtype=np.float64)
+    if m == 0:
+        return []
+    if np.any((alpha < 0) | (alpha > 1)) or np.any(np.isnan(alpha)):
+        raise ValueError(f"acceptance rates lie in [0, 1], got {list(acceptance)}")
+    if m >= len(costs):
+        raise ValueError(f"{m} generations, but v(n) is known up to n = {len(costs) - 1}")
+    room = np.clip(np.asarray(max_drafts, dtype=np.int64), 0, None)
+    depth = int(room.max())
+    if depth == 0:
+        return [0] * m
+    # the k-th draft of generation i is accepted with probability alpha_i ** k (the chain model);
+    # for any total D the best split takes the D most likely drafts, so sort them once
+    gains = alpha[:, None] ** np.arange(1, depth + 1)[None, :]  # shape: [m, depth]
+    gains[np.arange(depth)[None, :] >= room[:, None]] = -1.0
+    flat = gains.ravel()
+    order = np.argsort(-flat, kind="stable")
+    order = order[flat[order] > 0][: len(costs) - 1 - m]
+    expected = np.concatenate([[float(m)], m + np.cumsum(flat[order])])  # shape: [D + 1], D = 0 first
+    rates = expected / costs[m: m + len(order) + 1]
+    best = int(np.argmax(rates))  # the first maximum: fewer drafts on a tie
+    return np.bincount(order[:best] // depth, minlength=m).tolist()
+
+
+def cost_table(verify_cost: VerifyCostFn, max_tokens: int) -> np.ndarray:
+    """``[max_tokens + 1]`` float: ``v(n)`` at every n from 0 (set to v(1)) to ``max_tokens``."""
+    return np.array([verify_cost(max(1, n)) for n in range(max_tokens + 1)], dtype=np.float64)
 
 
 @dataclass
@@ -108,6 +124,9 @@ class LoadShare:
     acceptance: Acceptance = field(default_factory=Acceptance)
     budgets: list[int] = field(default_factory=list)
     wanted: int = 0  # the most drafts its next step may verify (its drafter's room)
+    # the drafts of a chain cut by the budget after its verified ones were all accepted, matched
+    # against the tokens the target goes on to emit: (drafts verified, accepted, drafts not verified)
+    _shadow: tuple[int, int, list[int]] | None = None
 
     def budget(self, room: int) -> int:
         """The drafts this generation may verify next step: at most ``room`` (its own limit).
@@ -119,9 +138,39 @@ class LoadShare:
             return cap
         return room
 
-    def record(self, depth: int, accepted: int) -> None:
-        """Tell the load what the last step verified (its depth) and accepted."""
-        self.acceptance.record(depth, accepted)
+    def record(self, depth: int, accepted: int, chain: list[int] | None = None, emitted: Sequence[int] = ()) -> None:
+        """Tell the load what the last step verified (its depth) and accepted.
+
+        Args:
+            depth, accepted: the step's verified depth and accepted drafts.
+            chain: the drafter's whole chain proposal before the budget cut it (``None``: a tree).
+            emitted: the tokens the step emitted (the accepted drafts, then the next token).
+
+        Drafts the budget cut are not lost as evidence: where every verified draft was accepted,
+        the rest of the chain is compared with the tokens the target emits next (under greedy
+        decoding exactly what verification would have found; sampling, an estimate), so a
+        generation held at a small budget still shows how far its drafts would have gone.
+        """
+        emitted = list(emitted)
+        if self._shadow is not None:
+            self._match(emitted)
+            self.acceptance.record(depth, accepted)
+        elif chain is not None and accepted == depth and len(chain) > depth:
+            self._shadow = (depth, accepted, chain[depth:])
+            self._match(emitted[accepted:])
+        else:
+            self.acceptance.record(depth, accepted)
+
+    def _match(self, emitted: list[int]) -> None:
+        verified, accepted, rest = self._shadow
+        same = 0
+        while same < min(len(rest), len(emitted)) and rest[same] == emitted[same]:
+            same += 1
+        if same < len(rest) and same == len(emitted):  # all matched so far: wait for more tokens
+            self._shadow = (verified + same, accepted + same, rest[same:])
+            return
+        self._shadow = None
+        self.acceptance.record(verified + min(len(rest), same + 1), accepted + same)
 
     def leave(self) -> None:
         self.load.leave(self)
@@ -139,6 +188,7 @@ class BatchLoad:
     def __init__(self, verify_cost: VerifyCostFn, batch_size: Callable[[], int] | None = None,
                  on_decision: Callable[[int, int], None] | None = None) -> None:
         self.verify_cost = verify_cost
+        self._costs = cost_table(verify_cost, MAX_STEP_TOKENS)
         self._batch_size = batch_size
         self._on_decision = on_decision
         self._lock = threading.Lock()
@@ -160,14 +210,14 @@ class BatchLoad:
         """``share``'s budget for its next step given every seat's acceptance and room, or ``None``
         when it runs alone."""
         with self._lock:
-            share.wanted = max(0, room)
+            share.wanted = min(max(0, room), MAX_DRAFTS)
             shares = list(self._shares)
             size = len(shares) if self._batch_size is None else max(1, min(len(shares), self._batch_size()))
         if size <= 1:
             return None
-        budgets = draft_budgets([s.acceptance.alpha for s in shares], self.verify_cost,
-                                [s.wanted if s is share or s.wanted else room for s in shares])
-        cap = budgets[shares.index(share)]
+        budgets = draft_budgets([s.acceptance.alpha for s in shares], self._costs,
+                                [s.wanted if s is share or s.wanted else share.wanted for s in shares])
+        cap = min(room, budgets[shares.index(share)])
         if self._on_decision is not None:
             self._on_decision(len(shares), cap)
         return cap

@@ -115,7 +115,7 @@ def speculative_generate(
             committed[length: length + len(new)] = torch.tensor(new, dtype=torch.long)
             length += len(new)
             commit(new, step.emitted_logits)
-            _record_step(stats, step, drafter.active_method(state), t1 - t0, t2 - t1, load)
+            _record_step(stats, step, drafter.active_method(state), t1 - t0, t2 - t1, load, proposal)
             # 5. tell the drafter what was accepted
             drafter.observe(state, StepFeedback(committed[:length], step.num_drafted, len(step.accepted),
                                                 cache.length, step.hidden_states, step.accepted_nodes,
@@ -186,10 +186,11 @@ def _budget(room: int, load: LoadShare | None) -> int:
 
 
 def _record_step(stats: SpecStats, step, method: str, draft_s: float, verify_s: float,
-                 load: LoadShare | None) -> None:
+                 load: LoadShare | None, proposal: Proposal) -> None:
     stats.record_step(step.num_drafted, len(step.accepted), depth=step.depth, method=method)
     if load is not None:
-        load.record(step.depth, len(step.accepted))
+        chain = proposal.tokens.tolist() if proposal.parents is None else None
+        load.record(step.depth, len(step.accepted), chain, step.accepted + [step.next_token])
         stats.draft_budgets = load.budgets
     stats.draft_time_s += draft_s
     stats.verify_time_s += verify_s

@@ -1,0 +1,254 @@
+"""Concurrent clients against ``specwise serve`` (batched and one at a time) and ``llama-server -np N``.
+
+Every contender serves the same GGUF on the same threads; they are started once and never run at
+once (an idle llama-server runs with ``--poll 0``, so its threads sleep). For each client count
+the contenders take turns (order rotating per round) on the same held-out prompts: N streaming
+``/v1/completions`` requests started together, each prompt a different one. Measured per stream:
+time to first token and tokens per second; per burst: aggregate tokens per second (all streams'
+tokens over the burst's wall time). Tokens are counted from each response's ``usage`` (llama-server:
+its ``timings.predicted_n`` where it gives no ``usage``), never from chunks.
+
+    python benchmarks/concurrency.py --llama-server PATH [--clients 1,2,4,8,16] [--temperature 0.7]
+    python benchmarks/concurrency.py --memory 32x3    # 32 clients x 3 rounds on the batched server: errors, RSS
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from specwise.prompts import is_held_out, load_prompts, take_per_category
+from specwise.targets.loading import gguf_file
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Contender:
+    """One server process and how to ask it."""
+
+    def __init__(self, name: str, command: list[str], port: int, log: Path, extra: dict | None = None) -> None:
+        self.name, self.command, self.port, self.extra = name, command, port, extra
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log, "w")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"))
+
+    def wait(self, timeout: float = 900) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"{self.name} exited: see {self.log.name}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"{self.name} did not start")
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def stream_one(url: str, model: str, prompt: str, max_tokens: int, temperature: float, seed: int,
+               extra: dict | None = None) -> dict:
+    """One streaming completion: TTFT, wall time, tokens (from usage or timings), and any error."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+    start = time.monotonic()
+    first = None
+    tokens = None
+    pieces = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=900) as reply:
+            if reply.status_code != 200:
+                return {"error": f"HTTP {reply.status_code}: {reply.read()[:200]!r}"}
+            for line in reply.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                choices = chunk.get("choices") or []
+                if choices and choices[0].get("text"):
+                    if first is None:
+                        first = time.monotonic()
+                    pieces.append(choices[0]["text"])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"].get("completion_tokens")
+                elif chunk.get("timings") and tokens is None:
+                    tokens = chunk["timings"].get("predicted_n")
+    except httpx.HTTPError as exc:
+        return {"error": repr(exc)}
+    end = time.monotonic()
+    return {"start": start, "end": end, "ttft_s": (first or end) - start, "wall_s": end - start,
+            "tokens": tokens, "text": "".join(pieces)}
+
+
+def burst(contender: Contender, model: str, prompts: list[str], clients: int, args, seed0: int) -> dict:
+    results: list[dict] = [{}] * clients
+    barrier = threading.Barrier(clients)
+
+    def one(i: int) -> None:
+        barrier.wait()
+        results[i] = stream_one(contender.url, model, prompts[i % len(prompts)], args.max_tokens,
+                                args.temperature, seed0 + i, contender.extra)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ok = [r for r in results if "error" not in r]
+    tokens = sum(r["tokens"] or 0 for r in ok)
+    wall = max(r["end"] for r in ok) - min(r["start"] for r in ok) if ok else float("nan")
+    return {"contender": contender.name, "clients": clients, "errors": clients - len(ok), "tokens": tokens,
+            "wall_s": wall, "aggregate_tps": tokens / wall if ok else 0.0,
+            "stream_tps": [r["tokens"] / r["wall_s"] for r in ok if r["tokens"]],
+            "ttft_s": [r["ttft_s"] for r in ok], "missing_usage": sum(r["tokens"] is None for r in ok)}
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def summarize(bursts: list[dict]) -> list[dict]:
+    rows = []
+    for key in sorted({(b["contender"], b["clients"]) for b in bursts}, key=lambda k: (k[1], k[0])):
+        mine = [b for b in bursts if (b["contender"], b["clients"]) == key]
+        ttft = [t for b in mine for t in b["ttft_s"]]
+        rows.append({"contender": key[0], "clients": key[1], "bursts": len(mine),
+                     "errors": sum(b["errors"] for b in mine),
+                     "aggregate_tps_median": statistics.median(b["aggregate_tps"] for b in mine),
+                     "aggregate_tps_pooled": sum(b["tokens"] for b in mine) / sum(b["wall_s"] for b in mine),
+                     "stream_tps_median": statistics.median([s for b in mine for s in b["stream_tps"]] or [0]),
+                     "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95),
+                     "missing_usage": sum(b["missing_usage"] for b in mine)})
+    return rows
+
+
+def cpu_description() -> str:
+    try:
+        import torch
+        capability = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001 - a report line, not a dependency
+        capability = "?"
+    flags = set()
+    model = platform.processor()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags") and not flags:
+            flags = set(line.split(":")[1].split())
+        if line.startswith("model name"):
+            model = line.split(":")[1].strip()
+    shown = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in {"avx2", "fma"})
+    return f"{model}, {os.cpu_count()} cores; torch CPU capability {capability}; flags {' '.join(shown)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="gemma-3-270m")
+    p.add_argument("--llama-server", default=None)
+    p.add_argument("--method", default="pld", help="our servers' method (default pld)")
+    p.add_argument("--clients", default="1,2,4,8,16")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--memory", default=None, metavar="CLIENTSxROUNDS")
+    p.add_argument("--out", default="/tmp/concurrency")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    clients = [int(c) for c in args.clients.split(",")]
+    records = [r for r in load_prompts(sorted(DATA.glob("*.jsonl"))) if is_held_out(r)]
+    prompts = [r.prompt for r in take_per_category(records, max(3, -(-max(clients) // 7)))]
+    ours = [sys.executable, "-m", "specwise.cli", "serve", "--target", args.target, "--engine", "llamacpp",
+            "--method", args.method, "--methods", f"{args.method},ar", "--log-level", "warning",
+            "--max-queue", "256", "--max-tokens-cap", str(max(args.max_tokens, 256))]
+    contenders = []
+    if args.memory:
+        n, rounds = (int(x) for x in args.memory.split("x"))
+        port = free_port()
+        server = Contender("specwise batched", ours + ["--port", str(port), "--max-batch", str(args.max_batch)],
+                           port, out / "specwise-memory.log")
+        server.wait()
+        rss = [server.rss_mb()]
+        bursts = []
+        for r in range(rounds):
+            bursts.append(burst(server, args.target, prompts, n, args, 1000 * r))
+            rss.append(server.rss_mb())
+            print(f"round {r + 1}: errors {bursts[-1]['errors']}, RSS {rss[-1]:.0f} MB", flush=True)
+        server.stop()
+        (out / "memory.json").write_text(json.dumps({"cpu": cpu_description(), "clients": n, "rounds": rounds,
+                                                     "rss_mb": rss, "errors": [b["errors"] for b in bursts]}, indent=1))
+        return 0
+    for name, extra in (("specwise batched", ["--max-batch", str(args.max_batch)]), ("specwise sequential", ["--max-batch", "1"])):
+        port = free_port()
+        contenders.append(Contender(name, ours + ["--port", str(port)] + extra, port, out / f"{name.replace(' ', '-')}.log"))
+    if args.llama_server:
+        port = free_port()
+        gguf = gguf_file(args.target)
+        np_ = args.max_batch
+        contenders.append(Contender(f"llama-server -np {np_}", [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1",
+                                    "--port", str(port), "-t", str(args.threads), "-tb", str(args.threads), "--poll", "0",
+                                    "-c", str(2048 * np_), "-np", str(np_), "--no-webui"], port, out / "llama-server.log",
+                                    # no reuse of a slot's previous prompt: ours has none either (the rounds repeat prompts)
+                                    extra={"cache_prompt": False}))
+    for c in contenders:
+        c.wait()
+    # one short warm-up burst each (first decodes, allocations), on prompts the race does not use
+    warm = [r.prompt for r in take_per_category(records, 1, skip=max(3, -(-max(clients) // 7)))]
+    for c in contenders:
+        burst(c, args.target, warm, 2, args, 0)
+    bursts = []
+    for r in range(args.rounds):
+        for n in clients:
+            order = contenders[r % len(contenders):] + contenders[: r % len(contenders)]
+            for c in order:
+                b = burst(c, args.target, prompts[(r * 7) % len(prompts):] + prompts, n, args, 100 * r)
+                bursts.append(b)
+                print(f"round {r + 1} {c.name} {n} clients: {b['aggregate_tps']:.1f} tok/s aggregate, "
+                      f"errors {b['errors']}", flush=True)
+                (out / "bursts.json").write_text(json.dumps(bursts, indent=1))
+    for c in contenders:
+        c.stop()
+    summary = {"cpu": cpu_description(), "target": args.target, "method": args.method, "temperature": args.temperature,
+               "max_tokens": args.max_tokens, "rounds": args.rounds, "prompts": len(prompts),
+               "commands": {c.name: " ".join(c.command) for c in contenders}, "rows": summarize(bursts)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    for row in summary["rows"]:
+        print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
