@@ -86,6 +86,19 @@ def test_acceptance_follows_recent_steps():
     acceptance.record(depth=0, accepted=0)  # nothing drafted tells nothing
 
 
+def test_drafts_the_budget_cut_are_still_measured_against_what_the_target_emits():
+    load = BatchLoad(VerifyCostTable((1, 64), (1.0, 64.0)))
+    share = load.join()
+    # budget 0: the chain [7, 8, 9] was cut; the target then emits 7, then 8, then 4
+    share.record(0, 0, [7, 8, 9], [7])
+    share.record(0, 0, [1, 2], [8])
+    assert share.acceptance.accepted == 1.0  # nothing recorded yet: the cut chain is still matching
+    share.record(0, 0, None, [4])
+    assert share.acceptance.accepted == pytest.approx(0.7 + 2) and share.acceptance.rejected == pytest.approx(0.7 + 1)
+    share.record(2, 1, [5, 6, 7], [5, 3])  # a chain refused inside its verified part: the rest tells nothing
+    assert share.acceptance.rejected == pytest.approx(0.7 * 1.7 + 1)
+
+
 def test_a_lone_generation_is_never_capped():
     load = BatchLoad(VerifyCostTable((1, 64), (1.0, 64.0)))
     share = load.join()
@@ -280,3 +293,61 @@ def test_generate_many_refuses_bad_input_in_one_sentence(target):
         specwise.generate_many(target, PROMPTS, seed=[1, 2, 3])
     with pytest.raises(PromptError, match="^prompt 1: "):
         specwise.generate_many(target, [PROMPTS[0], [], PROMPTS[2]], max_new_tokens=4)
+
+
+# ---------------------------------------------------------------- the server
+@pytest.fixture(scope="module")
+def batched_server(tmp_path_factory):
+    """The app over a tiny GGUF with --max-batch 4, on uvicorn in this process (its own thread)."""
+    uvicorn = pytest.importorskip("uvicorn")
+    from serving import _free_port
+    from specwise.serve.app import ServerConfig, create_app
+
+    path = write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny-served.gguf")
+    target = llamacpp.LlamaCppTarget(path, make_tokenizer(VOCAB), "tiny-served", threads=1)
+    app = create_app(target, ServerConfig(model="tiny", methods=("ar", "pld"), max_batch=4))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    import httpx
+
+    for _ in range(200):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            threading.Event().wait(0.1)
+    yield target, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=30)
+    app.state.worker.close()
+
+
+def test_concurrent_requests_to_a_batching_server_get_their_own_text(batched_server):
+    import httpx
+
+    target, url = batched_server
+    prompts = [" ".join(f"t{t}" for t in p) for p in PROMPTS[:6]]
+    methods = ["pld", "ar", "pld", "ar", "pld", "pld"]
+    replies: dict[int, dict] = {}
+
+    def ask(i):
+        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 24 + i, "temperature": 0,
+                "speculative": {"method": methods[i]}}
+        replies[i] = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]  # 6 requests, 4 run at once
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(6):
+        alone = specwise.generate(target, prompts[i], method=methods[i], max_new_tokens=24 + i, include_stop=False)
+        assert replies[i]["choices"][0]["text"] == alone.text, replies[i]
+        assert replies[i]["usage"]["completion_tokens"] == len(alone.token_ids)
+    assert any(r["speculative_decoding"]["capped_steps"] for r in replies.values())
+    health = httpx.get(f"{url}/health").json()
+    assert health["running"] == 0 and health["waiting"] == 0
+    metrics = httpx.get(f"{url}/metrics").text
+    assert "specwise_batch_size_bucket" in metrics and "specwise_draft_budget_bucket" in metrics

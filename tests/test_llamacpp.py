@@ -221,3 +221,20 @@ def test_the_real_target_with_the_engines_defaults_decodes_batches_and_matches_i
         top = torch.topk(logits, 2)
         assert {ar[first], pld.token_ids[first]} == set(top.indices.tolist())
         assert float(top.values[0] - top.values[1]) < 0.5, f"diverged at {first} on a clear choice"
+
+
+def test_a_prompt_that_begins_like_an_earlier_one_reuses_its_cached_prefix(target):
+    """A second prompt sharing a long prefix with a finished generation's takes its cached keys and
+    values by a sequence copy; its tokens are those of a target that decodes the whole prompt."""
+    shared = (PROMPT * 3)[:36]
+    first = shared + [70, 71, 72]
+    second = shared + [80, 81]
+    fresh = llamacpp.LlamaCppTarget(target.path, target.tokenizer, target.name, threads=1, prefix_reuse=False)
+    truth = specwise.generate(fresh, second, method="pld", max_new_tokens=NEW).token_ids
+    before = target.reused_tokens
+    specwise.generate(target, first, method="pld", max_new_tokens=8)
+    assert specwise.generate(target, second, method="pld", max_new_tokens=NEW).token_ids == truth
+    assert target.reused_tokens - before == len(shared)
+    # a prompt whose every position's hidden state is wanted (EAGLE's prefill) decodes it all
+    out = target.forward(torch.tensor(second), target.new_cache(), num_logits=1, hidden_layers=(1,))
+    assert out.hidden_states[1].shape[0] == len(second) and target.reused_tokens - before == len(shared)

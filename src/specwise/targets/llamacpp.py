@@ -72,6 +72,8 @@ SEQUENCES_PER_GENERATION = 32
 GENERATIONS = 8  # x SEQUENCES_PER_GENERATION = 256, the most sequences a llama.cpp context takes
 #: tokens one ``llama_decode`` takes (a longer prompt is decoded in chunks)
 BATCH_TOKENS = 512
+#: the shortest prompt prefix taken from another generation's cached sequence instead of decoded
+MIN_REUSED = 16
 #: tokens of a batch member's prompt prefilled per round (the other members step between its chunks)
 PREFILL_CHUNK = 128
 #: ggml's name of the final normed hidden state (the LM head's input)
@@ -227,14 +229,19 @@ class LlamaCppCache:
         self.length = 0
         self._branches: list[list[int]] | None = None  # per token of the last tree forward, its sequence ids
         self._start = 0
+        self._tree_tokens: list[int] = []
+        # the token at each position of the committed sequence (one list, changed in place: the
+        # target keeps it when the cache is released, for the next prompts that share a prefix)
+        self.tokens: list[int] = target._live.setdefault(slot, [])
         weakref.finalize(self, target._release, slot)
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` positions of the committed sequence."""
-        if length < self.length:
-            with self.target.lock:
+        with self.target.lock:  # the tokens change with the sequence: another prompt may be reading them
+            if length < self.length:
                 lc.llama_memory_seq_rm(self.target.memory, self.base, length, -1)
-        self.length = min(self.length, length)
+            self.length = min(self.length, length)
+            del self.tokens[self.length:]
 
     def commit_path(self, start: int, nodes: list[int]) -> None:
         """Keep the last tree forward's tokens ``nodes`` (its root first) as positions ``start ..``:
@@ -250,6 +257,7 @@ class LlamaCppCache:
             used = {s for seqs in self._branches for s in seqs}
             for seq in used:
                 lc.llama_memory_seq_rm(memory, seq, -1, -1)
+            self.tokens[start:] = [self._tree_tokens[i] for i in nodes]
         self.length = end
         self._branches = None
 
@@ -267,6 +275,9 @@ class LlamaCppTarget:
         repack: weight repacking (``None``: :func:`repack_by_default` for the CPU variant loaded).
         dtype: what :attr:`dtype` reports, the dtype drafters compute in (``None``:
             :func:`drafter_dtype`); logits are float32 whatever it is.
+        prefix_reuse: a prompt that begins with tokens another generation's committed sequence
+            holds (running, or finished and its range not reused yet) takes their cached keys and
+            values by a sequence copy instead of decoding them (:data:`MIN_REUSED` tokens at least).
 
     Raises:
         TargetLoadError: llama-cpp-python is missing, or llama.cpp cannot load the file.
@@ -280,7 +291,8 @@ class LlamaCppTarget:
     engine = "llamacpp"
 
     def __init__(self, path: str | Path, tokenizer, name: str, *, n_ctx: int | None = None,
-                 threads: int | None = None, repack: bool | None = None, dtype: torch.dtype | None = None) -> None:
+                 threads: int | None = None, repack: bool | None = None, dtype: torch.dtype | None = None,
+                 prefix_reuse: bool = True) -> None:
         load_backends()
         self._dtype = drafter_dtype() if dtype is None else dtype
         self.path, self.tokenizer, self.name = Path(path), tokenizer, name
@@ -309,6 +321,10 @@ class LlamaCppTarget:
             | {t for t in (tokenizer.eos_token_id,) if t is not None and 0 <= t < self.vocab_size})
         self.lock = threading.Lock()  # a context decodes one batch at a time
         self._free_slots = list(range(GENERATIONS))
+        self.prefix_reuse = prefix_reuse
+        self.reused_tokens = 0  # prompt tokens taken from cached sequences instead of decoded
+        self._live: dict[int, list[int]] = {}  # slot -> its committed tokens (running generations)
+        self._kept: dict[int, list[int]] = {}  # free slot -> the tokens its committed sequence still holds
         self._batch = lc.llama_batch_init(BATCH_TOKENS, 0, SEQUENCES_PER_GENERATION)
         self._batcher = DecodeBatcher(self._decode_many)
         self._finalizer = weakref.finalize(self, _free_native, self._batch, self.ctx, self.model)
@@ -381,7 +397,11 @@ class LlamaCppTarget:
         with self.lock:
             if not self._free_slots:
                 raise ConfigError(f"the llama.cpp target {self.name} serves at most {GENERATIONS} generations at once.")
-            slot = self._free_slots.pop(0)
+            # a range whose tokens no one can reuse first, else the one kept longest
+            slot = next((s for s in self._free_slots if s not in self._kept), self._free_slots[0])
+            self._free_slots.remove(slot)
+            self._kept.pop(slot, None)
+            self._live[slot] = []
             base = slot * SEQUENCES_PER_GENERATION
             for seq in range(base, base + SEQUENCES_PER_GENERATION):
                 lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
@@ -391,9 +411,31 @@ class LlamaCppTarget:
         if self._finalizer.alive:
             with self.lock:
                 base = slot * SEQUENCES_PER_GENERATION
-                for seq in range(base, base + SEQUENCES_PER_GENERATION):
+                tokens = self._live.pop(slot, [])
+                keep = self.prefix_reuse and len(tokens) >= MIN_REUSED
+                for seq in range(base + 1 if keep else base, base + SEQUENCES_PER_GENERATION):
                     lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
+                if keep:  # its committed sequence stays until the range is needed again
+                    self._kept[slot] = tokens
                 self._free_slots.append(slot)
+
+    def _reuse_prefix(self, tokens: list[int], cache: LlamaCppCache) -> int:
+        """Fill an empty cache with the longest prefix of ``tokens`` that a committed sequence
+        (running or kept) holds, by a sequence copy (the cells are shared, nothing is decoded);
+        at most ``len(tokens) - 1`` (the last token is decoded for its logits). Returns its length."""
+        best, source = 0, None
+        with self.lock:
+            for slot, held in list(self._live.items()) + list(self._kept.items()):
+                if slot == cache.slot:
+                    continue
+                same = _common_prefix(held, tokens, len(tokens) - 1)
+                if same > best:
+                    best, source = same, slot
+            if best < MIN_REUSED:
+                return 0
+            lc.llama_memory_seq_cp(self.memory, source * SEQUENCES_PER_GENERATION, cache.base, 0, best)
+            self.reused_tokens += best
+        return best
 
     def forward(self, input_ids: torch.Tensor, cache: LlamaCppCache, *, num_logits: int | None = None,
                 logit_rows: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
@@ -415,6 +457,16 @@ class LlamaCppTarget:
             rows = [int(r) for r in logit_rows]
         else:
             rows = list(range(n - min(num_logits or n, n), n))
+        if (cache.length == 0 and layout is None and not hidden_layers and self.prefix_reuse
+                and n > MIN_REUSED and min(rows, default=0) >= MIN_REUSED):
+            reused = self._reuse_prefix(tokens, cache)
+            if reused and min(rows) >= reused:
+                cache.length = reused
+                cache.tokens[:] = tokens[:reused]
+                out = self.forward(input_ids[reused:], cache, logit_rows=torch.tensor([r - reused for r in rows]))
+                return out
+            if reused:  # rows inside the copied part were asked for: decode them after all
+                cache.rollback(0)
         start = cache.length
         if layout is None:
             seqs = [[cache.base]] * n
@@ -422,10 +474,12 @@ class LlamaCppTarget:
             cache._branches = None
         else:
             seqs, positions = _sequences(layout, cache.base)
-            cache._branches, cache._start = seqs, start
+            cache._branches, cache._start, cache._tree_tokens = seqs, start, tokens
         logits, hidden = self._decode(tokens, positions, seqs, rows, cache, taps)
         if 0 in hidden_layers:
             hidden[0] = self.input_embeddings()(input_ids.cpu())
+        if layout is None:
+            cache.tokens[start:] = tokens
         cache.length = start + n
         return TargetOutput(torch.from_numpy(logits), hidden)
 
@@ -484,6 +538,11 @@ class LlamaCppTarget:
             self._fill([t for p in parts for t in p.tokens], [q for p in parts for q in p.positions],
                        [s for p in parts for s in p.seqs], [f for p in parts for f in p.flags])
             code = lc.llama_decode(self.ctx, self._batch)
+            if code == 1 and self._kept:  # no room for the batch: drop the sequences kept for reuse
+                for slot in list(self._kept):
+                    lc.llama_memory_seq_rm(self.memory, slot * SEQUENCES_PER_GENERATION, -1, -1)
+                self._kept.clear()
+                code = lc.llama_decode(self.ctx, self._batch)
             if code != 0:
                 size = sum(len(p.tokens) for p in parts)
                 raise ConfigError(f"llama.cpp's decode failed (code {code}) on {size} tokens of {len(parts)} "
@@ -582,6 +641,15 @@ class _Decode:
     base: int
     cached: int
     copies: list[int]
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens ``a`` and ``b`` share, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _free_native(batch, ctx, model) -> None:
