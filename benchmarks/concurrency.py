@@ -155,6 +155,26 @@ def summarize(bursts: list[dict]) -> list[dict]:
     return rows
 
 
+def markdown(summary: dict) -> str:
+    """The summary as a markdown table, with each row's ratio to llama-server at the same load."""
+    rows = summary["rows"]
+    peer = {r["clients"]: r for r in rows if r["contender"].startswith("llama-server")}
+    lines = [f"CPU: {summary['cpu']}. Target {summary['target']}, our method `{summary['method']}`, temperature "
+             f"{summary['temperature']}, {summary['max_tokens']} new tokens at most, {summary['rounds']} rounds, "
+             f"{summary['prompts']} held-out prompts (a burst's prompts are its own).", "",
+             "| clients | contender | aggregate tok/s (median of bursts) | pooled | × llama-server (median) "
+             "| per-stream tok/s (median) | TTFT p50 (s) | TTFT p95 (s) | errors |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ref = peer.get(r["clients"])
+        ratio = f"{r['aggregate_tps_median'] / ref['aggregate_tps_median']:.2f}×" if ref else "–"
+        lines.append(f"| {r['clients']} | {r['contender']} | {r['aggregate_tps_median']:.1f} | "
+                     f"{r['aggregate_tps_pooled']:.1f} | {ratio} | {r['stream_tps_median']:.1f} | {r['ttft_p50_s']:.2f} | "
+                     f"{r['ttft_p95_s']:.2f} | {r['errors']} |")
+    lines += ["", "Commands:", ""] + [f"- {name}: `{command}`" for name, command in summary["commands"].items()]
+    return "\n".join(lines) + "\n"
+
+
 def cpu_description() -> str:
     try:
         import torch
@@ -190,7 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     clients = [int(c) for c in args.clients.split(",")]
     records = [r for r in load_prompts(sorted(DATA.glob("*.jsonl"))) if is_held_out(r)]
-    prompts = [r.prompt for r in take_per_category(records, max(3, -(-max(clients) // 7)))]
+    # every burst gets prompts of its own (the same for each contender), so no prompt repeats in a run
+    # and neither side's prefix reuse finds a prompt it has seen
+    per_category = -(-args.rounds * sum(clients) // 7) + 1
+    prompts = [r.prompt for r in take_per_category(records, per_category)]
     ours = [sys.executable, "-m", "specwise.cli", "serve", "--target", args.target, "--engine", "llamacpp",
             "--method", args.method, "--methods", f"{args.method},ar", "--log-level", "warning",
             "--max-queue", "256", "--max-tokens-cap", str(max(args.max_tokens, 256))]
@@ -220,21 +243,21 @@ def main(argv: list[str] | None = None) -> int:
         np_ = args.max_batch
         contenders.append(Contender(f"llama-server -np {np_}", [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1",
                                     "--port", str(port), "-t", str(args.threads), "-tb", str(args.threads), "--poll", "0",
-                                    "-c", str(2048 * np_), "-np", str(np_), "--no-webui"], port, out / "llama-server.log",
-                                    # no reuse of a slot's previous prompt: ours has none either (the rounds repeat prompts)
-                                    extra={"cache_prompt": False}))
+                                    "-c", str(2048 * np_), "-np", str(np_), "--no-webui"], port, out / "llama-server.log"))
     for c in contenders:
         c.wait()
     # one short warm-up burst each (first decodes, allocations), on prompts the race does not use
-    warm = [r.prompt for r in take_per_category(records, 1, skip=max(3, -(-max(clients) // 7)))]
+    warm = [r.prompt for r in take_per_category(records, 1, skip=per_category)]
     for c in contenders:
         burst(c, args.target, warm, 2, args, 0)
     bursts = []
+    used = 0
     for r in range(args.rounds):
         for n in clients:
             order = contenders[r % len(contenders):] + contenders[: r % len(contenders)]
+            mine, used = prompts[used: used + n], used + n
             for c in order:
-                b = burst(c, args.target, prompts[(r * 7) % len(prompts):] + prompts, n, args, 100 * r)
+                b = burst(c, args.target, mine, n, args, 100 * r)
                 bursts.append(b)
                 print(f"round {r + 1} {c.name} {n} clients: {b['aggregate_tps']:.1f} tok/s aggregate, "
                       f"errors {b['errors']}", flush=True)
@@ -245,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                "max_tokens": args.max_tokens, "rounds": args.rounds, "prompts": len(prompts),
                "commands": {c.name: " ".join(c.command) for c in contenders}, "rows": summarize(bursts)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "report.md").write_text(markdown(summary))
     for row in summary["rows"]:
         print(row)
     return 0

@@ -100,13 +100,19 @@ def test_drafts_the_budget_cut_are_still_measured_against_what_the_target_emits(
 
 
 def test_a_lone_generation_is_never_capped():
-    load = BatchLoad(VerifyCostTable((1, 64), (1.0, 64.0)))
+    load = BatchLoad(VerifyCostTable((1, 64), (1.0, 64.0)))  # compute-bound: drafts never pay in a batch
     share = load.join()
     assert share.budget(40) == 40 and not share.budgets
     other = load.join()
-    assert share.budget(40) == 0 and share.budgets == [0]  # compute-bound: plain batched decoding
+    assert share.budget(40) == 0 and share.budgets == [0]  # plain batched decoding
     other.leave()
     assert share.budget(40) == 40
+    free = BatchLoad(VerifyCostTable((1, 64), (1.0, 1.0)))  # free verification: likely drafts pay
+    a = free.join()
+    free.join()  # a second generation in the batch
+    for _ in range(5):
+        a.record(4, 4, [1, 2, 3, 4], [1, 2, 3, 4, 5])
+    assert a.budget(40) >= 8
 
 
 # ---------------------------------------------------------------- the batcher

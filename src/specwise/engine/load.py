@@ -216,7 +216,7 @@ class BatchLoad:
         if size <= 1:
             return None
         budgets = draft_budgets([s.acceptance.alpha for s in shares], self._costs,
-                                [s.wanted if s is share or s.wanted else share.wanted for s in shares])
+                                [s.wanted or share.wanted for s in shares])  # one not asked yet: as this one
         cap = min(room, budgets[shares.index(share)])
         if self._on_decision is not None:
             self._on_decision(len(shares), cap)

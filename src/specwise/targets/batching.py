@@ -78,8 +78,12 @@ class DecodeBatcher:
                 self._members.discard(ident)
                 self._changed.notify_all()  # the others may all be waiting for this one
 
-    def submit(self, payload: Any) -> Any:
+    def submit(self, payload: Any, member: bool | None = None) -> Any:
         """Run one forward: alone for a non-member, else with the members' next round.
+
+        Args:
+            member: whether the calling thread is a member, if the caller has just asked
+                (:meth:`is_member`); ``None`` asks.
 
         Returns:
             what ``run_many`` set as the request's result.
@@ -88,7 +92,7 @@ class DecodeBatcher:
             whatever ``run_many`` raised for the round.
         """
         request = DecodeRequest(payload)
-        if not self.is_member():
+        if not (self.is_member() if member is None else member):
             self._run_many([request])
         else:
             self._wait_for_round(request)

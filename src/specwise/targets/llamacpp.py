@@ -496,13 +496,14 @@ class LlamaCppTarget:
             copies = sorted({s for row in seqs for s in row} - {cache.base})
             if len(tokens) > BATCH_TOKENS:
                 raise ConfigError(f"a tree of {len(tokens)} tokens exceeds one decode ({BATCH_TOKENS}).")
-        chunk = PREFILL_CHUNK if self._batcher.is_member() else BATCH_TOKENS
+        member = self._batcher.is_member()
+        chunk = PREFILL_CHUNK if member else BATCH_TOKENS
         logits, pieces = [], {layer: [] for layer in taps.values()}
         for begin in range(0, len(tokens), chunk):
             end = min(begin + chunk, len(tokens))
             part = _Decode(tokens[begin:end], positions[begin:end], seqs[begin:end], flags[begin:end], taps,
                            cache.base, cache.length if begin == 0 else 0, copies if begin == 0 else [])
-            out, got = self._batcher.submit(part)
+            out, got = self._batcher.submit(part, member)
             logits.append(out)
             for layer, array in got.items():
                 pieces[layer].append(array)
