@@ -99,6 +99,16 @@ def test_drafts_the_budget_cut_are_still_measured_against_what_the_target_emits(
     assert share.acceptance.rejected == pytest.approx(0.7 * 1.7 + 1)
 
 
+def test_a_generation_held_at_no_drafts_drafts_a_little_now_and_then():
+    from specwise.engine.load import EXPLORE
+
+    load = BatchLoad(VerifyCostTable((1, 64), (1.0, 64.0)))  # compute-bound: the rule never gives drafts
+    share, _other = load.join(), load.join()
+    budgets = [share.budget(40) for _ in range(2 * EXPLORE[0])]
+    assert budgets.count(EXPLORE[1]) == 2 and budgets[EXPLORE[0] - 1] == EXPLORE[1]
+    assert set(budgets) == {0, EXPLORE[1]}
+
+
 def test_a_lone_generation_is_never_capped():
     load = BatchLoad(VerifyCostTable((1, 64), (1.0, 64.0)))  # compute-bound: drafts never pay in a batch
     share = load.join()

@@ -32,6 +32,9 @@ from specwise.engine.cost_model import VerifyCostFn
 DECAY = 0.7
 #: the prior of a generation's acceptance (one accepted and one rejected draft)
 PRIOR = (1.0, 1.0)
+#: a generation the rule has held at 0 drafts this many steps in a row drafts a little on the next,
+#: so its acceptance estimate (which only drafted steps move) can still rise: (steps, drafts)
+EXPLORE = (16, 2)
 #: the most drafts the rule gives one generation per step, and the most tokens one batched step verifies
 MAX_DRAFTS, MAX_STEP_TOKENS = 64, 512
 
@@ -124,6 +127,7 @@ class LoadShare:
     acceptance: Acceptance = field(default_factory=Acceptance)
     budgets: list[int] = field(default_factory=list)
     wanted: int = 0  # the most drafts its next step may verify (its drafter's room)
+    idle: int = 0  # capped steps in a row at 0 drafts
     # the drafts of a chain cut by the budget after its verified ones were all accepted, matched
     # against the tokens the target goes on to emit: (drafts verified, accepted, drafts not verified)
     _shadow: tuple[int, int, list[int]] | None = None
@@ -133,10 +137,13 @@ class LoadShare:
 
         Returns ``room`` unchanged when it runs alone in its batch."""
         cap = self.load.cap(self, room)
-        if cap is not None:
-            self.budgets.append(cap)
-            return cap
-        return room
+        if cap is None:
+            return room
+        self.idle = self.idle + 1 if cap == 0 else 0
+        if self.idle >= EXPLORE[0]:  # a drafter drafts at most its budget: without this, no evidence
+            self.idle, cap = 0, min(room, EXPLORE[1])
+        self.budgets.append(cap)
+        return cap
 
     def record(self, depth: int, accepted: int, chain: list[int] | None = None, emitted: Sequence[int] = ()) -> None:
         """Tell the load what the last step verified (its depth) and accepted.
