@@ -22,6 +22,7 @@ from conftest import make_tokenizer
 from specwise.engine.cost_model import VerifyCostTable
 from specwise.engine.load import Acceptance, BatchLoad, cost_table, draft_budgets
 from specwise.errors import ConfigError, PromptError
+from specwise.many import batch_load
 from specwise.targets.batching import DecodeBatcher
 
 llamacpp = pytest.importorskip("specwise.targets.llamacpp")
@@ -212,7 +213,7 @@ def test_mixed_requests_in_one_batch_are_each_their_own(target):
             dict(prompt=PROMPTS[3], method="pld", max_new_tokens=25, stop=["t17"]),
             dict(prompt=PROMPTS[4], method="ar", max_new_tokens=50)]
     truth = [specwise.generate(target, **job) for job in jobs]
-    load = specwise.many.batch_load(target)
+    load = batch_load(target)
     out = [None] * len(jobs)
 
     def run(i):
