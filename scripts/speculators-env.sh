@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A separate environment with vLLM's `speculators` package (0.9.0), whose own loader
-# tests/test_interop.py runs on specwise's EAGLE-3 exports (scripts/speculators_probe.py).
+# tests/methods/test_interop.py runs on specwise's EAGLE-3 exports (scripts/speculators_probe.py).
 # speculators pins transformers <= 5.19, older than specwise's, hence a venv of its own, cached
 # outside the work tree. Not part of CI: the test skips, saying why, when this venv is absent.
 #   scripts/speculators-env.sh        (prints the venv's python on the last line)

@@ -8,9 +8,14 @@ Layers, lowest first (a module may import its own layer and the ones below it):
   cost model and the forward timing (calibration);
 - ``targets``: the targets behind the interface: the Hugging Face model on torch (``hf``) and its
   KV cache, loading, the aliases, chat templates, the GGUF's native packing;
-- ``models``: the drafters' torch modules;
-- ``interop``: the drafters in other projects' formats (detect, import, export);
-- ``drafters``: the methods and their registry, checkpoints, drafter timing;
+- ``models``: what the drafters' torch modules share;
+- ``interop``: drafters in other projects' formats (detection, what the formats share);
+- ``drafters``: the registry, the drafter base, checkpoints, drafter timing, ``export``;
+- ``methods``: one module per training-free method, one folder per trained one. The package
+  itself (its discovery) and each folder's ``__init__`` (a docstring) are leaves; a method's single
+  module sits with ``drafters``; in a folder each module sits with the layer of its role:
+  ``drafter`` with ``drafters``, ``network`` with ``models``, ``interop`` with ``interop``,
+  ``recipe`` with ``training``, and any other module (a method's own helpers) with ``drafters``;
 - ``api``: ``generate``, ``build_drafter``, ``load_drafter``; ``many``: ``generate_many`` and the batches' load rule;
 - ``serve``: the OpenAI-compatible server over ``api``;
 - ``training``: corpus, features, trainer, recipes;
@@ -71,10 +76,18 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
     return found
 
 
+#: a method folder's module -> the layer it sits with (module docstring); other names: ``drafters``
+ROLE_LAYERS = {"drafter": "drafters", "network": "models", "interop": "interop", "recipe": "training"}
+
+
 def layer(module: str) -> int:
     """The layer index of a module (see the module docstring)."""
     parts = module.split(".")
     name = parts[1] if len(parts) > 1 else ""
+    if name == "methods":
+        is_folder = len(parts) == 3 and MODULES[module].name == "__init__.py"
+        name = ("errors" if len(parts) == 2 or is_folder else
+                "drafters" if len(parts) == 3 else ROLE_LAYERS.get(parts[3], "drafters"))
     return next(i for i, names in enumerate(LAYERS) if name in names)
 
 
@@ -86,6 +99,18 @@ def test_the_layers_cover_every_module():
         layer(name)  # raises StopIteration for a top-level name no layer lists
 
 
+def test_a_method_folder_is_found_by_its_modules_names_alone():
+    """A folder's ``__init__`` is its docstring: the roles are found by module name, and importing a
+    folder's network (training does) must not drag its drafter in."""
+    folders = [name for name, path in MODULES.items() if name.startswith("specwise.methods.")
+               and path.name == "__init__.py"]
+    assert {"specwise.methods.draft", "specwise.methods.eagle", "specwise.methods.medusa",
+            "specwise.methods.dflash"} <= set(folders)
+    for name in folders:
+        body = ast.parse(MODULES[name].read_text()).body
+        assert len(body) == 1 and isinstance(body[0], ast.Expr), f"{name}'s __init__ holds more than a docstring"
+
+
 def test_no_import_runs_up_the_layers():
     upward = [f"{name} -> {target}" for name, deps in GRAPH.items() for target, _ in deps
               if target != "specwise" and layer(target) > layer(name)]
@@ -94,7 +119,7 @@ def test_no_import_runs_up_the_layers():
 
 def test_the_engine_never_imports_the_lab_tools():
     for name, deps in GRAPH.items():
-        if name.startswith(("specwise.engine", "specwise.targets", "specwise.drafters", "specwise.models",
+        if name.startswith(("specwise.engine", "specwise.targets", "specwise.drafters", "specwise.models", "specwise.methods",
                              "specwise.training")):
             assert not [t for t, _ in deps if t.startswith(("specwise.lab", "specwise.cli"))], name
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pkgutil
 import re
 import sys
 import threading
@@ -15,9 +14,10 @@ import specwise
 from conftest import make_model, make_target, random_prompt
 from specwise.checks import check_flag, check_int, check_probability
 from specwise.drafters import base
-from specwise.drafters.draft_model import DraftModelConfig, DraftModelDrafter
 from specwise.engine.drafter import Drafter
 from specwise.errors import ConfigError, DrafterError, PromptError, SpecwiseError, TargetLoadError
+from specwise.methods import method_modules
+from specwise.methods.draft.drafter import DraftModelConfig, DraftModelDrafter
 
 
 @pytest.fixture(scope="module")
@@ -139,10 +139,11 @@ def test_the_shared_option_checks(check, args, good):
         check_probability("p", 0.0, zero=False, one=True)
 
 
-def test_every_drafters_module_is_imported_with_the_package():
-    names = [info.name for info in pkgutil.iter_modules(specwise.drafters.__path__)]
-    assert {"eagle", "trained", "prompt_lookup"} <= set(names)
-    assert all(f"specwise.drafters.{name}" in sys.modules for name in names)
+def test_a_registry_lookup_finds_every_methods_drafter_module():
+    specwise.METHODS.names()
+    modules = method_modules("drafter")
+    assert {"specwise.methods.eagle.drafter", "specwise.methods.prompt_lookup", "specwise.methods.auto.drafter"} <= set(modules)
+    assert all(name in sys.modules for name in modules)
 
 
 def test_the_listing_order_and_which_methods_need_weights():

@@ -16,7 +16,6 @@ from specwise.checks import check_int
 from specwise.drafters import METHODS, Drafter
 from specwise.drafters.base import check_engine, warn_renamed
 from specwise.drafters.checkpoint import is_checkpoint, read_config, shipped_drafter
-from specwise.drafters.prediction import PredictionDrafter, prediction_ids
 from specwise.engine.grammar import Grammar, GrammarCompiler, grammar_source
 from specwise.engine.load import LoadShare
 from specwise.engine.logprobs import MAX_TOP_LOGPROBS
@@ -25,6 +24,7 @@ from specwise.engine.sampling import SamplingConfig
 from specwise.engine.token_ids import check_token_ids
 from specwise.engine.types import GenerationResult
 from specwise.errors import ConfigError, DrafterError, PromptError
+from specwise.methods.prediction import PredictionDrafter, prediction_ids
 from specwise.targets.engine_choice import check_engine_name
 from specwise.targets.tool_calls import (
     ToolError,
@@ -205,7 +205,7 @@ def generate(
             benchmarks do to time a fixed number of tokens (llama.cpp's and vLLM's ``ignore_eos``).
         prediction: Predicted Outputs: text (or token ids) the output is expected to largely repeat,
             e.g. the code being edited. It becomes a second drafting source next to ``method``
-            (:class:`specwise.drafters.prediction.PredictionDrafter`); the output stays exactly the
+            (:class:`specwise.methods.prediction.PredictionDrafter`); the output stays exactly the
             target's. ``stats.prediction_accepted_tokens`` / ``prediction_rejected_tokens`` count it.
         response_format: constrain the output (OpenAI's shapes): ``{"type": "json_object"}``,
             ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``, or

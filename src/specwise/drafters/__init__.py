@@ -1,12 +1,8 @@
-"""Drafting methods. Importing this package imports every module in it, in name order, so each
-method registers itself in ``METHODS``: a new method is one new file here, with no list to edit."""
-
-import importlib
-import pkgutil
+"""What every drafter shares: the ``Drafter`` base and the method registry (``base``), drafter
+checkpoints and the shipped drafters (``checkpoint``), trained drafters' common machinery
+(``trained``, ``sampled_tree``), drafter timing, method specs as text, and ``specwise export``.
+The methods themselves are in :mod:`specwise.methods`; the registry finds them there on first use."""
 
 from specwise.drafters.base import METHODS, Drafter, DraftingConfig, MethodConfig, register_drafter
-
-for _module in sorted(info.name for info in pkgutil.iter_modules(__path__)):
-    importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = ["METHODS", "Drafter", "DraftingConfig", "MethodConfig", "register_drafter"]

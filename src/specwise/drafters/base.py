@@ -16,6 +16,7 @@ from typing import Any, Callable, ClassVar
 from specwise.checks import check_flag, check_int, check_probability
 from specwise.engine.drafter import Drafter
 from specwise.errors import ConfigError, DrafterError
+from specwise.methods import import_methods
 
 __all__ = ["Drafter", "DraftingConfig", "METHODS", "MethodConfig", "MethodRegistry", "MethodSpec", "check_flag",
            "check_int", "check_probability", "check_probability_threshold", "register_drafter"]
@@ -201,8 +202,16 @@ class MethodRegistry:
     """Maps method names to :class:`MethodSpec`; duplicate names, unknown names and option names
     that shadow ``specwise.generate``'s own arguments are errors."""
 
-    def __init__(self) -> None:
+    def __init__(self, find: Callable[[], object] | None = None) -> None:
         self._specs: dict[str, MethodSpec] = {}
+        self._find = find
+
+    def _complete(self) -> dict[str, MethodSpec]:
+        """The specs, after importing every method's drafter module (``find``) so each has
+        registered itself; importing is a no-op for modules already imported."""
+        if self._find is not None:
+            self._find()
+        return self._specs
 
     def register(self, name: str, config_cls: type[MethodConfig], summary: str, *, order: int = 100,
                  auto_candidate: bool = True):
@@ -229,19 +238,21 @@ class MethodRegistry:
         Raises:
             DrafterError: unknown name; the message lists the available methods.
         """
-        if name not in self._specs:
+        specs = self._complete()
+        if name not in specs:
             raise DrafterError(f"unknown method {name!r}; available methods: {', '.join(self.names())}.")
-        return self._specs[name]
+        return specs[name]
 
     def names(self) -> list[str]:
         """The method names, in registration order."""
-        return list(self._specs)
+        return list(self._complete())
 
     def listed(self) -> list[MethodSpec]:
         """The methods in listing order: by ``order``, then by name."""
-        return sorted(self._specs.values(), key=lambda spec: (spec.order, spec.name))
+        return sorted(self._complete().values(), key=lambda spec: (spec.order, spec.name))
 
 
-#: the package's registry; drafter modules register themselves on import (specwise.drafters)
-METHODS = MethodRegistry()
+#: the package's registry; each method's drafter module registers itself when imported, and a
+#: lookup first imports every one of them (specwise.methods)
+METHODS = MethodRegistry(lambda: import_methods("drafter"))
 register_drafter = METHODS.register

@@ -1,27 +1,27 @@
 """``specwise export``: a trained (or imported) drafter written in a format vLLM, SGLang or llama.cpp serves.
 
 The drafter is loaded exactly as ``generate`` would load it for the target, then handed to the
-format's writer in :mod:`specwise.interop`, which refuses what the format cannot express exactly.
+writer in the method's folder (``specwise.methods.<method>.interop``), which refuses what the format cannot express exactly.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import torch
 
 from specwise.drafters.checkpoint import shipped_drafter
-from specwise.drafters.dflash import load_dflash
-from specwise.drafters.eagle import load_eagle_head
-from specwise.drafters.medusa import load_medusa_heads
 from specwise.errors import DrafterError
-from specwise.interop.dflash import export_dflash
-from specwise.interop.eagle3 import EXPORT_FORMATS, export_eagle3
 from specwise.interop.formats import Exported, Format, detect
-from specwise.interop.medusa import export_medusa
+from specwise.methods import import_methods
 
-#: method -> the formats its drafters export to
-FORMATS = {"eagle": EXPORT_FORMATS, "medusa": ("medusa",), "dflash": ("speculators",)}
+
+def export_formats() -> dict[str, tuple[str, ...]]:
+    """Method -> the formats its drafters export to: every method folder whose ``interop`` module
+    declares ``FORMATS`` (:mod:`specwise.methods`)."""
+    return {module.__name__.split(".")[-2]: tuple(module.FORMATS) for module in import_methods("interop")
+            if getattr(module, "FORMATS", None)}
 
 
 def resolve_export(target, fmt: str, path: str | Path | None = None, method: str | None = None) -> tuple[Path, Format]:
@@ -39,11 +39,12 @@ def resolve_export(target, fmt: str, path: str | Path | None = None, method: str
             drafter to export, or a format the method does not export to.
     """
     name = target if isinstance(target, str) else target.name
+    formats = export_formats()
     if path is None:
         if method is None:
             raise DrafterError("give the drafter's directory, or the method whose shipped drafter to export.")
-        if method not in FORMATS:
-            raise DrafterError(f"method {method!r} has no trained drafter to export; these do: {', '.join(FORMATS)}"
+        if method not in formats:
+            raise DrafterError(f"method {method!r} has no trained drafter to export; these do: {', '.join(formats)}"
                                + (" (the draft model exports with `specwise export-hf`)." if method == "draft" else "."))
         path = shipped_drafter(name, method)
         if path is None or not Path(str(path)).is_dir():
@@ -57,7 +58,7 @@ def resolve_export(target, fmt: str, path: str | Path | None = None, method: str
                            "of none of: specwise, speculators, SpecForge EAGLE-3, z-lab DFlash, Medusa).")
     if method is not None and found.method != method:
         raise DrafterError(f"{path} holds a {found.label} drafter, not a {method} one.")
-    allowed = FORMATS.get(found.method)
+    allowed = formats.get(found.method)
     if allowed is None:
         raise DrafterError(f"{path} holds a {found.label} drafter, which does not export"
                            + (" (the draft model exports with `specwise export-hf`)." if found.method == "draft" else "."))
@@ -91,10 +92,7 @@ def export_drafter(target, out: str | Path, fmt: str = "speculators", *, path: s
             files, or a drafter the format cannot express exactly.
     """
     path, found = resolve_export(target, fmt, path, method)
-    if found.method == "eagle":
-        return export_eagle3(load_eagle_head(path, target), target, out, fmt, dtype=dtype, **options)
-    if found.method == "dflash":
-        return export_dflash(load_dflash(path, target), target, out, dtype=dtype, verifier=options.get("verifier"),
-                             unbounded_attention=bool(options.get("unbounded_attention")))
-    return export_medusa(load_medusa_heads(path, target)[0], target, out, dtype=dtype,
-                         verifier=options.get("verifier"))
+    # a method folder's drafter loads the network as generate would; its interop writes it
+    network = importlib.import_module(f"specwise.methods.{found.method}.drafter").load_network(path, target)
+    writer = importlib.import_module(f"specwise.methods.{found.method}.interop")
+    return writer.export(network, target, out, fmt, dtype=dtype, **options)

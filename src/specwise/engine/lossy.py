@@ -3,7 +3,7 @@
 Nothing here is used unless a drafter asks for it by name (``Proposal.acceptance``); every rule in
 :mod:`specwise.engine.verify` and :data:`specwise.engine.acceptance.EXACT` is exact. The tests show
 the loss: the typical rule fails the same distribution test the exact rules pass
-(``tests/test_sampling_e2e.py``).
+(``tests/engine/test_sampling_e2e.py``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ target may run on any engine: :class:`specwise.targets.hf.Target` is a Hugging F
 a target on another engine (llama.cpp's, where a draft tree is one sequence id per branch and a
 rollback is a sequence operation) implements the same methods. Tensors cross the interface as
 torch tensors (logits, token ids, layouts); nothing else about torch is assumed. The tests run the
-loop on a target that is no torch model (``tests/test_targets.py``).
+loop on a target that is no torch model (``tests/targets/test_targets.py``).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specwise.errors import DrafterError
+from specwise.methods import import_methods
 from specwise.targets.aliases import KNOWN_TARGETS
 
 CONFIG_NAME = "config.json"
@@ -34,8 +35,6 @@ SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config layout the
 #: HF activation names -> specwise's, and back
 ACT_FROM_HF = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 ACT_TO_HF = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
 
 
 @dataclass(frozen=True)
@@ -82,23 +81,17 @@ def detect(path: str | Path) -> Format | None:
 
 
 def format_of(config: dict[str, Any]) -> Format | None:
-    """The format a parsed ``config.json`` declares (see :func:`detect`)."""
-    architectures = config.get("architectures") or []
+    """The format a parsed ``config.json`` declares (see :func:`detect`): ours, else the first
+    trained method whose ``interop.recognize`` claims it (:mod:`specwise.methods`), else a causal
+    LM for ``draft`` when the config names architectures and no speculators type."""
     if "specwise_drafter_format" in config:
         method = str(config.get("method"))
         return Format("specwise", method, f"specwise ({method})")
-    kind = config.get("speculators_model_type")
-    if kind == "eagle3":
-        return Format("speculators", "eagle", "speculators (EAGLE-3)")
-    if kind == "dflash":
-        return Format("speculators", "dflash", "speculators (DFlash)")
-    if any(name in EAGLE3_ARCHITECTURES for name in architectures):
-        return Format("eagle3", "eagle", "EAGLE-3 (SpecForge / SGLang)")
-    if "dflash_config" in config or any(name in DFLASH_ARCHITECTURES for name in architectures):
-        return Format("dflash", "dflash", "DFlash (z-lab)")
-    if "medusa_num_heads" in config:
-        return Format("medusa", "medusa", "Medusa (FasterDecoding)")
-    if kind is None and architectures:
+    for module in import_methods("interop"):
+        found = module.recognize(config)
+        if found is not None:
+            return found
+    if config.get("speculators_model_type") is None and config.get("architectures"):
         return Format("hf", "draft", "Hugging Face causal LM")
     return None
 
@@ -259,7 +252,7 @@ def verifier_name(target) -> str:
 
 @dataclass
 class Exported:
-    """What an export wrote and where it can run (the writers in :mod:`specwise.interop`).
+    """What an export wrote and where it can run (the writers in each method folder's ``interop``).
 
     Attributes:
         path: the directory written.

@@ -16,7 +16,7 @@ def export_hf(draft_lm, target, out_dir: str | Path, dtype: torch.dtype = torch.
     (see :func:`to_hf_model`).
 
     Args:
-        draft_lm: a :class:`specwise.models.draft_lm.DraftLM`.
+        draft_lm: a :class:`specwise.methods.draft.network.DraftLM`.
         target: the target it was built for.
         out_dir: the directory to write (created).
         dtype: weight dtype of the export.
@@ -42,7 +42,7 @@ def to_hf_model(draft_lm, target, dtype: torch.dtype | None = None):
     draft LM's only where the best token lies outside the draft vocabulary).
 
     Args:
-        draft_lm: a :class:`specwise.models.draft_lm.DraftLM`.
+        draft_lm: a :class:`specwise.methods.draft.network.DraftLM`.
         target: the target it was built for.
         dtype: weight dtype (default: the target's).
 

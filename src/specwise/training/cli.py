@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 from specwise.drafters.checkpoint import read_config, shipped_drafter
-from specwise.drafters.draft_model import load_draft_lm
 from specwise.drafters.export import export_drafter, resolve_export
 from specwise.errors import ConfigError, DrafterError
 from specwise.interop.formats import prepare_out
+from specwise.methods.draft.drafter import load_draft_lm
 from specwise.models.export import export_hf
 from specwise.prompts import load_prompts
 from specwise.targets.hf import load_target, resolve_dtype

@@ -12,10 +12,10 @@ from transformers import GenerationConfig
 
 from specwise.api import build_drafter, generate
 from specwise.drafters.checkpoint import is_checkpoint, shipped_drafter
-from specwise.drafters.draft_model import load_draft_lm
 from specwise.drafters.spec import split_spec
 from specwise.errors import ConfigError, DrafterError
 from specwise.lab.bench.llamacpp import LlamaServer
+from specwise.methods.draft.drafter import load_draft_lm
 from specwise.models.export import to_hf_model
 from specwise.targets.aliases import KNOWN_TARGETS
 from specwise.targets.loading import gguf_born, gguf_file, load_model_and_tokenizer

@@ -1,26 +1,23 @@
-"""Training recipes, one module per trainable method, found by importing every module of this package.
+"""The training recipes' registry and what recipes share (``base``, ``tapped``).
 
-Each recipe module defines its data and loss (a :class:`specwise.training.trainer.Recipe`), a frozen
-options dataclass, and a training function registered with
-:func:`specwise.training.recipes.base.register_recipe`.
+Each trained method's recipe is the ``recipe`` module of its folder in :mod:`specwise.methods`: it
+defines its data and loss (a :class:`specwise.training.trainer.Recipe`), a frozen options dataclass,
+and a training function registered with :func:`specwise.training.recipes.base.register_recipe`. A
+lookup imports every method's recipe first.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import pkgutil
-
+from specwise.methods import import_methods
 from specwise.training.recipes.base import RECIPES, RecipeSpec, register_recipe
 
 __all__ = ["RECIPES", "RecipeSpec", "get_recipe", "recipe_names", "register_recipe"]
 
 
-@functools.cache
 def _discover() -> None:
-    """Import every module of this package once, in name order, so each registers its recipe."""
-    for module in sorted(info.name for info in pkgutil.iter_modules(__path__)):
-        importlib.import_module(f"{__name__}.{module}")
+    """Import every method's recipe module (a no-op for those already imported), so each has
+    registered itself."""
+    import_methods("recipe")
 
 
 def get_recipe(name: str) -> RecipeSpec:

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from specwise.checks import check_int
+from specwise.methods.draft.recipe import DraftLMRecipe, DraftRecipeConfig
 from specwise.training.acceptance import ChainAcceptance, replay_depths
 from specwise.training.options import TrainOptions, default_of, option
 from specwise.training.pipeline import Features, TrainingJob, feature_layers, featurize, taps_features_dir
-from specwise.training.recipes.draft import DraftLMRecipe, DraftRecipeConfig
 
 
 @dataclass(frozen=True)
