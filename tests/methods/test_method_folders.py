@@ -27,17 +27,15 @@ FOLDERS = Path(__file__).parent / "method_folders"
 
 @pytest.fixture
 def bigram_folder():
-    """The folder joined for one test, and everything it registered taken back after it."""
-    methods, recipes = dict(METHODS._specs), dict(RECIPES._specs)
+    """The folder joined for one test, and what it registered taken back after it (only that: the
+    lookups inside the test register the package's own methods and recipes too, and those stay)."""
     specwise.methods.__path__.append(str(FOLDERS))
     try:
         yield
     finally:
         specwise.methods.__path__.remove(str(FOLDERS))
-        METHODS._specs.clear()
-        METHODS._specs.update(methods)
-        RECIPES._specs.clear()
-        RECIPES._specs.update(recipes)
+        METHODS._specs.pop("bigram", None)
+        RECIPES._specs.pop("bigram", None)
         for name in [name for name in sys.modules if name.startswith("specwise.methods.bigram")]:
             del sys.modules[name]
 
