@@ -88,7 +88,8 @@ def format_of(config: dict[str, Any]) -> Format | None:
         method = str(config.get("method"))
         return Format("specwise", method, f"specwise ({method})")
     for module in import_methods("interop"):
-        found = module.recognize(config)
+        recognize = getattr(module, "recognize", None)  # a folder may read formats it never detects
+        found = recognize(config) if recognize is not None else None
         if found is not None:
             return found
     if config.get("speculators_model_type") is None and config.get("architectures"):
