@@ -346,6 +346,23 @@ def with_tool_calls(target, result: GenerationResult, schemas) -> GenerationResu
     return result if parsed is None else dataclasses.replace(result, tool_calls=parsed[1])
 
 
+def grammar_compiler(target) -> GrammarCompiler:
+    """The target's grammar compiler (its tokenizer as the grammar engine reads it), built on first
+    use and kept on the target; building it takes seconds, so the server builds it at start.
+
+    Raises:
+        ConfigError: a tokenizer the grammar engine cannot read.
+    """
+    lock = target.__dict__.setdefault("_grammar_lock", threading.Lock())
+    with lock:
+        compiler = target.__dict__.get("_grammar_compiler")
+        if compiler is None:
+            compiler = GrammarCompiler(target.tokenizer, target.vocab_size,
+                                       target.eos_token_ids | target.end_of_turn_ids)
+            target.__dict__["_grammar_compiler"] = compiler
+    return compiler
+
+
 def compile_response_format(target, response_format: Mapping[str, Any] | None) -> Grammar | None:
     """A ``response_format`` compiled for ``target`` (``None`` for unconstrained text). The
     target's tokenizer is read for the grammar engine once and kept on the target, with the
@@ -360,13 +377,9 @@ def compile_response_format(target, response_format: Mapping[str, Any] | None) -
     if grammar_source(response_format) is None:  # {"type": "text"}, after its shape is checked
         return None
     key = json.dumps(response_format, sort_keys=True, default=repr)
-    lock = target.__dict__.setdefault("_grammar_lock", threading.Lock())
+    compiler = grammar_compiler(target)
+    lock = target.__dict__["_grammar_lock"]
     with lock:
-        compiler = target.__dict__.get("_grammar_compiler")
-        if compiler is None:
-            compiler = GrammarCompiler(target.tokenizer, target.vocab_size,
-                                       target.eos_token_ids | target.end_of_turn_ids)
-            target.__dict__["_grammar_compiler"] = compiler
         kept = target.__dict__.setdefault("_kept_grammars", OrderedDict())
         grammar = kept.pop(key, None)
     if grammar is None:

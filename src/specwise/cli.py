@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 from typing import Sequence
 
 from specwise.errors import SpecwiseError
@@ -72,8 +74,17 @@ def _quiet_transformers() -> None:
         transformers.utils.logging.disable_progress_bar()
 
 
+def _terminated(signum, frame) -> None:
+    # SIGTERM ends the process as an exception would, so what it started (a benchmark's llama-server
+    # peers) is stopped by its exit handlers; the default action would skip them
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if _command(argv) != "serve" and threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)  # the server handles its own signals
     args = build_parser(_command(argv)).parse_args(argv)
     _quiet_transformers()
     try:

@@ -25,3 +25,12 @@ class PromptError(SpecwiseError, ValueError):
 
 class DrafterError(SpecwiseError):
     """A drafter is unknown, missing weights, or incompatible with the target."""
+
+
+class EngineError(SpecwiseError):
+    """The engine failed on valid input (an internal fault, not the caller's): the server answers 500."""
+
+
+class CapacityError(EngineError):
+    """The engine has no room for this work now (cache cells or generations in use by others),
+    though the input is valid: retry later; the server answers 503."""

@@ -18,12 +18,13 @@ import queue
 import threading
 from typing import Any, Callable, Sequence
 
-from specwise.api import generate, shared_drafter
+from specwise.api import encode_prompt, generate, shared_drafter, tool_setup
+from specwise.engine.capacity import footprint
 from specwise.engine.cost_model import VerifyCostTable
 from specwise.engine.load import BatchLoad
 from specwise.engine.timing import measure_forward_times, realistic_context
 from specwise.engine.types import GenerationResult
-from specwise.errors import ConfigError, SpecwiseError
+from specwise.errors import CapacityError, ConfigError, PromptError, SpecwiseError
 
 log = logging.getLogger("specwise.batch")
 
@@ -33,6 +34,8 @@ DEFAULT_MAX_BATCH = 8
 LOAD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: generate's own keyword arguments (the rest are the method's options)
 _GENERATE_ARGS = frozenset(inspect.signature(generate).parameters) - {"method_options"}
+#: generate's default ``max_new_tokens``
+_DEFAULT_NEW_TOKENS = inspect.signature(generate).parameters["max_new_tokens"].default
 
 
 def batches_generations(target) -> bool:
@@ -99,7 +102,37 @@ def generate_many(target, prompts: Sequence[Any] | None = None, *, messages: Seq
     jobs = [dict(common, seed=s, **item) for item, s in zip(items, seeds)]
     if not batches_generations(target) or max_batch == 1 or len(jobs) == 1:
         return [_named(i, lambda job=job: generate(target, **job)) for i, job in enumerate(jobs)]
-    return _run_batched(target, jobs, min(max_batch, getattr(target, "max_generations", max_batch)))
+    needs = [_named(i, lambda job=job: _need(target, job)) for i, job in enumerate(jobs)]
+    return _run_batched(target, jobs, needs, min(max_batch, getattr(target, "max_generations", max_batch)))
+
+
+def _need(target, job: dict):
+    """A job's worst case in the target's pool (:func:`specwise.engine.capacity.footprint`), its
+    prompt tokenized once here (a text prompt is passed on as ids); ``None`` without a shared pool.
+
+    Raises:
+        PromptError: a prompt :func:`specwise.generate` would refuse.
+        CapacityError: a job that could not fit in the pool even alone.
+    """
+    capacity = getattr(target, "capacity", None)
+    if capacity is None:
+        return None
+    if "prompt" in job:
+        job["prompt"] = encode_prompt(target, job["prompt"])
+        prompt_tokens = job["prompt"].numel()
+    else:  # a chat: its template's tokens (tools rendered as generate renders them)
+        tools = tool_setup(job.get("tools"), job.get("tool_choice"), job.get("parallel_tool_calls", True),
+                           job.get("response_format"), True, target)[0]
+        prompt_tokens = target.encode_chat(job["messages"], tools).numel()
+    new_tokens = job.get("max_new_tokens", _DEFAULT_NEW_TOKENS)
+    if isinstance(new_tokens, int) and prompt_tokens + new_tokens > target.max_context:
+        raise PromptError(f"the prompt has {prompt_tokens} tokens and {new_tokens} new tokens were asked for, "
+                          f"but the target's context holds {target.max_context} tokens.")
+    need = footprint(prompt_tokens, new_tokens if isinstance(new_tokens, int) else 1, target.max_context,
+                     bool(getattr(job["drafter"], "side_forwards", False)))
+    if not capacity.fits_alone(need):
+        raise CapacityError(capacity.refusal(need))
+    return need
 
 
 def _items(prompts, messages) -> list[dict]:
@@ -120,8 +153,9 @@ def _named(index: int, run: Callable[[], GenerationResult]) -> GenerationResult:
         raise type(exc)(f"prompt {index}: {exc}") from None
 
 
-def _run_batched(target, jobs: list[dict], width: int) -> list[GenerationResult]:
-    """The jobs on ``width`` threads, each generation inside the target's batch with a seat in one load rule."""
+def _run_batched(target, jobs: list[dict], needs: list, width: int) -> list[GenerationResult]:
+    """The jobs on ``width`` threads, each generation inside the target's batch with a seat in one
+    load rule, once its worst case is reserved in the target's pool (it waits for room)."""
     load = batch_load(target)
     results: list[GenerationResult | None] = [None] * len(jobs)
     errors: dict[int, BaseException] = {}
@@ -135,6 +169,7 @@ def _run_batched(target, jobs: list[dict], width: int) -> list[GenerationResult]
                 index = todo.get_nowait()
             except queue.Empty:
                 return
+            seat = None if needs[index] is None else target.capacity.reserve(needs[index])
             share = load.join()
             try:
                 with target.batch_member():
@@ -143,6 +178,8 @@ def _run_batched(target, jobs: list[dict], width: int) -> list[GenerationResult]
                 errors[index] = exc
             finally:
                 share.leave()
+                if seat is not None:
+                    seat.release()
 
     threads = [threading.Thread(target=work, name=f"specwise-batch-{i}", daemon=True)
                for i in range(min(width, len(jobs)))]

@@ -393,3 +393,34 @@ def test_every_output_of_a_generated_schema_parses_and_validates(schema, seed):
 def _schema_target():
     """One target for every example (hypothesis calls the test many times)."""
     return make_text_target("llama", 0)
+
+
+class _Stuck:
+    """A matcher that has hit the grammar engine's limits: its calls raise with a dump of the grammar
+    and its parser state, as llguidance's do."""
+
+    DUMP = "Parser Error: max row limit exceeded\n" + "start: a* b\n" * 200 + "state: [...]"
+
+    def __init__(self, real):
+        self.real = real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def unsafe_compute_mask_ptr(self, *args):
+        raise ValueError(self.DUMP)
+
+    def consume_token(self, token):
+        raise ValueError(self.DUMP)
+
+
+def test_a_grammar_the_engine_cannot_continue_ends_in_one_sentence(text_target):
+    grammar = compile_response_format(text_target, {"type": "json_object"})
+    state = grammar.start(text_target.eos_token_ids)
+    state.matcher = _Stuck(state.matcher)
+    for call in (lambda: state.chain([5, 6]), lambda: state.advance([5]), lambda: state.node_masks([[5]])):
+        with pytest.raises(GrammarError) as raised:
+            call()
+        message = str(raised.value)
+        assert "max row limit exceeded" in message and "start: a*" not in message and "\n" not in message
+        assert message.startswith("the response_format's grammar cannot be continued")

@@ -142,3 +142,40 @@ def test_completions_logprobs_in_the_legacy_shape(client, target):
     assert lp.token_logprobs == pytest.approx([float(row[t]) for row, t in zip(truth, local.token_ids)], abs=1e-6)
     assert all(len(top) == 3 for top in lp.top_logprobs)
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_logprob_bytes_are_the_tokens_own_even_mid_character():
+    """A token holding one byte of a UTF-8 character: its text is U+FFFD, its bytes that one byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AddedToken, PreTrainedTokenizerFast
+
+    from conftest import _byte_level_chars
+    from specwise.api import grammar_compiler
+    from specwise.serve.app import Service
+
+    chars = _byte_level_chars()
+    vocab = {"<unk>": 0, "<eos>": 1, "<bos>": 2, "a": 3, chars[0xC3]: 4, chars[0xA9]: 5}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    special = lambda text: AddedToken(text, special=True)  # noqa: E731
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=special("<unk>"), eos_token=special("<eos>"),
+                                        bos_token=special("<bos>"))
+
+    class Fake:
+        vocab_size, eos_token_ids, end_of_turn_ids = 6, frozenset({1}), frozenset()
+
+        def __init__(self):
+            self.tokenizer = tokenizer
+
+        def decode(self, ids, special_tokens=False):
+            return tokenizer.decode(ids, skip_special_tokens=not special_tokens)
+
+    service = Service.__new__(Service)
+    service.target = Fake()
+    assert service._token_text(4) == ("\ufffd", "\ufffd".encode())  # before the grammar engine's vocabulary is read
+    grammar_compiler(service.target)  # the server reads it at start
+    assert service._token_text(4) == ("\ufffd", b"\xc3")
+    assert service._token_text(5) == ("\ufffd", b"\xa9")
+    assert b"".join(service._token_text(t)[1] for t in (3, 4, 5)).decode() == "aé"
+    assert service._token_text(1) == ("<eos>", b"<eos>")

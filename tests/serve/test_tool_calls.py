@@ -79,6 +79,10 @@ def test_tools_are_checked_and_a_function_without_parameters_takes_none():
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], "schema of an object"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": 3}}}],
      "not a valid JSON schema"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], "its 'type' is 'string'"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}}}],
+     "tool 'f' use what constrained output cannot enforce .*if"),
 ])
 def test_bad_tools_are_one_sentence(tools, message):
     with pytest.raises(ToolError, match=message) as raised:
@@ -161,6 +165,29 @@ def test_a_required_call_is_valid_and_every_method_gives_ars_tokens(method, choi
     for call in result.tool_calls:
         assert call.name in SCHEMAS and (isinstance(choice, str) or call.name == "get_weather")
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+#: a parameters schema whose $ref points into itself, and one that leaves its type out
+MOVE = {"type": "function", "function": {"name": "move", "parameters": {
+    "type": "object", "properties": {"to": {"$ref": "#/properties/start"}, "start": {"type": "string", "maxLength": 4}},
+    "required": ["to", "start"], "additionalProperties": False}}}
+ECHO = {"type": "function", "function": {"name": "echo", "parameters": {
+    "properties": {"text": {"type": "string", "maxLength": 4}}, "required": ["text"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("tool", [MOVE, ECHO], ids=["ref", "untyped"])
+def test_parameters_with_a_local_ref_or_no_type_give_a_valid_call(tool):
+    target = tool_target()
+    schemas = check_tools([tool])
+    name = tool["function"]["name"]
+    assert schemas[name]["type"] == "object"
+    for seed in range(3):
+        result = specwise.generate(target, messages=MESSAGES, tools=[tool], tool_choice="required", max_new_tokens=120,
+                                   parallel_tool_calls=False, temperature=1.0, seed=seed)
+        assert result.finish_reason == "tool_calls" and result.tool_calls[0].name == name
+        arguments = json.loads(result.tool_calls[0].arguments)
+        assert isinstance(arguments, dict)
+        jsonschema.validate(arguments, schemas[name])
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -12,6 +12,7 @@ leaves the others' tokens alone; a sampled request among others is distributed a
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -129,7 +130,7 @@ def test_a_lone_generation_is_never_capped():
 # ---------------------------------------------------------------- the batcher
 def test_the_members_forwards_run_in_one_round_and_a_stranger_runs_alone():
     rounds: list[list] = []
-    batcher = DecodeBatcher(lambda requests: (rounds.append([r.payload for r in requests]),
+    batcher = DecodeBatcher(lambda requests: (rounds.append([r.payload for r in requests]), time.sleep(0.002),
                                               [setattr(r, "result", r.payload * 10) for r in requests]))
     results = {}
     start = threading.Barrier(3)
@@ -137,16 +138,42 @@ def test_the_members_forwards_run_in_one_round_and_a_stranger_runs_alone():
     def member(value):
         with batcher.member():
             start.wait()
-            results[value] = batcher.submit(value)
+            for step in range(20):  # a member joins the rounds at its first forward
+                results[value, step] = batcher.submit(value)
 
     threads = [threading.Thread(target=member, args=(v,)) for v in (1, 2, 3)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
-    assert results == {1: 10, 2: 20, 3: 30}
-    assert len(rounds) == 1 and sorted(rounds[0]) == [1, 2, 3]
+        t.join(30)
+    assert results == {(v, step): 10 * v for v in (1, 2, 3) for step in range(20)}
+    # once all three have joined, each round waits for all three: most rounds hold every member
+    assert sum(sorted(r) == [1, 2, 3] for r in rounds) >= 10 and len(rounds) < 30
     assert batcher.submit(7) == 70 and rounds[-1] == [7]
+
+
+def test_a_member_still_setting_up_holds_up_no_round():
+    """A member that has not submitted a forward yet (tokenizing, compiling a grammar, building its
+    drafter) is not waited for: the others' rounds go on without it."""
+    batcher = DecodeBatcher(lambda requests: [setattr(r, "result", r.payload) for r in requests])
+    setting_up, release = threading.Event(), threading.Event()
+
+    def slow_member():
+        with batcher.member():
+            setting_up.set()
+            release.wait(30)
+            batcher.submit(1)
+
+    slow = threading.Thread(target=slow_member)
+    slow.start()
+    setting_up.wait(10)
+    out = []
+    with batcher.member():
+        for step in range(5):  # each round would wait for the slow member if it counted
+            out.append(batcher.submit(step))
+    release.set()
+    slow.join(30)
+    assert out == [0, 1, 2, 3, 4] and not slow.is_alive()
 
 
 def test_a_failed_round_raises_in_every_member_and_a_leaving_one_frees_the_rest():
@@ -178,7 +205,7 @@ def test_a_failed_round_raises_in_every_member_and_a_leaving_one_frees_the_rest(
     def idle_member():
         with done.member():
             idle.set()
-            leave.wait()  # never submits: the other member's round waits for it to leave
+            leave.wait()  # never submits, so the other member's round does not wait for it
 
     t = threading.Thread(target=idle_member)
     t.start()

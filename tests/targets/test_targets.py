@@ -42,6 +42,9 @@ class TokenCache:
     def commit_path(self, start: int, nodes: list[int]) -> None:
         self.tokens[start:] = [self.tokens[start + i] for i in nodes]
 
+    def release(self) -> None:
+        self.tokens = []
+
 
 class HashTarget:
     """A deterministic language model in plain Python and NumPy: the logits after a prefix are
@@ -70,7 +73,7 @@ class HashTarget:
         logits[rng.integers(2, VOCAB // 2)] += 3.0
         return logits
 
-    def new_cache(self) -> TokenCache:
+    def new_cache(self, within=None) -> TokenCache:
         return TokenCache()
 
     def logits_from_final_hidden(self, hidden):

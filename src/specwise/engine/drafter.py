@@ -33,6 +33,10 @@ class Drafter(ABC):
     method: ClassVar[str] = ""
     #: hidden-state indices (HF ``hidden_states`` indexing) the drafter needs from the target
     target_hidden_layers: tuple[int, ...] = ()
+    #: whether :meth:`propose` may run a target forward over the whole context in a side cache
+    #: (``DraftContext.side_cache``): the generation then holds its tokens' cells twice for a while,
+    #: which admission counts (:mod:`specwise.engine.capacity`)
+    side_forwards: bool = False
     #: the target the drafter was built for (set by its constructor when it has one);
     #: ``specwise.generate`` refuses the drafter with another target. None = any target.
     target: Any = None

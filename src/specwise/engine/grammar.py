@@ -103,6 +103,17 @@ def grammar_source(response_format: Mapping[str, Any] | None) -> str | None:
     return matcher.grammar_from_lark(text)
 
 
+def unsupported_in_schema(schema: Mapping[str, Any]) -> str:
+    """What of a JSON ``schema`` (read as a document of its own) the grammar engine cannot enforce,
+    in its own words (e.g. ``Unimplemented keys: ["if", "then"]``), or ``''`` when it can all be."""
+    matcher = _llguidance().LLMatcher
+    try:
+        failed, messages = matcher.validate_grammar_with_warnings(matcher.grammar_from_json_schema(schema), None)
+    except (ValueError, TypeError) as exc:
+        return _sentence(exc).rstrip(".")
+    return (_sentence(messages[0]).rstrip(".") if messages else "an unsupported construct") if failed else ""
+
+
 def _sentence(error: Exception | str) -> str:
     """An error message as the end of one sentence: its lines of words joined (a compiler's
     excerpts of the source and its carets left out), ending in a period."""
@@ -213,8 +224,26 @@ class GrammarState:
         return self._ended or self.matcher.is_stopped()
 
     def _fill(self) -> None:
-        """Compute the grammar's bitmask after what the matcher has consumed (into ``_bits``)."""
-        self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
+        """Compute the grammar's bitmask after what the matcher has consumed (into ``_bits``).
+
+        Raises:
+            GrammarError: the matcher cannot go on (:meth:`_stuck`).
+        """
+        try:
+            self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
+        except Exception as exc:  # noqa: BLE001 - llguidance raises plain errors holding its whole state
+            raise self._stuck(exc) from None
+        if self.matcher.is_error():
+            raise self._stuck()
+
+    def _stuck(self, exc: Exception | None = None) -> GrammarError:
+        """The one-sentence error for a matcher that cannot go on (a grammar that outgrew the
+        parser's limits mid-generation): the library's first line only, never its dump of the
+        grammar and parser state."""
+        detail = (self.error() or str(exc or "")).strip().splitlines()
+        reason = detail[0][:160].rstrip(" .:") if detail else "no reason given"
+        return GrammarError(f"the response_format's grammar cannot be continued here (the grammar engine "
+                            f"says: {reason}); simplify the schema or grammar.")
 
     def _allows(self, token: int) -> bool:
         """Whether the last :meth:`_fill`'s mask allows ``token`` (an end token: where the grammar
@@ -250,8 +279,14 @@ class GrammarState:
     def _consume(self, token: int) -> None:
         # end tokens never reach the matcher: nothing follows them, and rolling the matcher back
         # past one does not always restore its state
-        if not self.matcher.consume_token(token):
-            raise ValueError(f"the grammar refuses token {token}: {self.error() or 'not allowed'}")
+        try:
+            consumed = self.matcher.consume_token(token)
+        except Exception as exc:  # noqa: BLE001 - see _fill
+            raise self._stuck(exc) from None
+        if not consumed:
+            if self.matcher.is_error():
+                raise self._stuck()
+            raise ValueError(f"the grammar refuses token {token}")
 
     def chain(self, tokens: Sequence[int]) -> tuple[int, torch.Tensor]:
         """How many leading draft ``tokens`` the grammar allows one after another, and the masks
@@ -332,7 +367,10 @@ class GrammarState:
         the only text that can follow); deterministic drafts that need no drafter."""
         if self.matcher.is_stopped():
             return []
-        return self.matcher.compute_ff_tokens()
+        try:
+            return self.matcher.compute_ff_tokens()
+        except Exception as exc:  # noqa: BLE001 - see _fill
+            raise self._stuck(exc) from None
 
     def advance(self, tokens: Sequence[int]) -> int:
         """Consume committed tokens, up to where the grammar stops.

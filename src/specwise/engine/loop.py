@@ -14,11 +14,13 @@ chose but has not processed yet, so the KV cache always holds ``len(committed) -
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
+from specwise.engine.capacity import cell_limit
 from specwise.engine.clock import DeviceClock
 from specwise.engine.drafter import Drafter
 from specwise.engine.grammar import Grammar, GrammarState
@@ -91,37 +93,38 @@ def speculative_generate(
     start = clock.now()
     commit = _Commit(output, None if grammar is None else grammar.start(output.eos_ids), streamer, logprobs)
     constraint = commit.constraint
-    cache, first, hidden_states, first_logits = _prefill(target, prompt_ids, sampling, generator,
-                                                         drafter.target_hidden_layers, constraint)
-    stats.target_forwards, stats.prefill_time_s = stats.target_forwards + 1, clock.now() - start
-    committed[length], length = first, length + 1
-    commit([first], first_logits)
-    state = drafter.start(DraftContext(token_ids=committed[:length], max_draft_tokens=0, sampling=sampling,
-                                       generator=generator, cache_length=cache.length, hidden_states=hidden_states))
-    try:
-        while output.stop_reason is None:
-            # 1. propose, leaving room for the bonus token
-            budget = _budget(max_new_tokens - len(output.tokens) - 1, load)
-            t0 = clock.now()
-            ctx = DraftContext(committed[:length], budget, sampling, generator, cache.length)
-            proposal = _with_forced(drafter.propose(state, ctx), constraint)
-            # 2.-4. verify in one target forward, accept, keep the accepted path in the cache
-            t1 = clock.now()
-            step = verify_proposal(target, cache, committed[:length], proposal, budget=budget, sampling=sampling,
-                                   generator=generator, hidden_layers=drafter.step_hidden_layers(state),
-                                   grammar=constraint, emitted_logits=logprobs is not None)
-            t2 = clock.now()
-            new = step.accepted + [step.next_token]
-            committed[length: length + len(new)] = torch.tensor(new, dtype=torch.long)
-            length += len(new)
-            commit(new, step.emitted_logits)
-            _record_step(stats, step, drafter.active_method(state), t1 - t0, t2 - t1, load, proposal)
-            # 5. tell the drafter what was accepted
-            drafter.observe(state, StepFeedback(committed[:length], step.num_drafted, len(step.accepted),
-                                                cache.length, step.hidden_states, step.accepted_nodes,
-                                                step.aux_logits))
-    finally:
-        drafter.finish(state)
+    with _prefilled(target, prompt_ids, sampling, generator, drafter.target_hidden_layers,
+                    constraint) as (cache, first, hidden_states, first_logits):
+        # the most cells this generation's cache may reach (its reservation in a shared pool)
+        cells = cell_limit(prompt_ids.numel(), max_new_tokens, target.max_context)
+        side = functools.partial(target.new_cache, within=cache)
+        stats.target_forwards, stats.prefill_time_s = stats.target_forwards + 1, clock.now() - start
+        committed[length], length = first, length + 1
+        commit([first], first_logits)
+        with _started(drafter, DraftContext(committed[:length], 0, sampling, generator, cache.length,
+                                            hidden_states)) as state:
+            while output.stop_reason is None:
+                # 1. propose, leaving room for the bonus token
+                budget = _budget(max_new_tokens - len(output.tokens) - 1, load)
+                t0 = clock.now()
+                ctx = DraftContext(committed[:length], budget, sampling, generator, cache.length, side_cache=side)
+                proposal = _with_forced(drafter.propose(state, ctx), constraint)
+                # 2.-4. verify in one target forward, accept, keep the accepted path in the cache
+                t1 = clock.now()
+                step = verify_proposal(target, cache, committed[:length], proposal, budget=budget, sampling=sampling,
+                                       generator=generator, hidden_layers=drafter.step_hidden_layers(state),
+                                       grammar=constraint, emitted_logits=logprobs is not None,
+                                       room=cells - cache.length)
+                t2 = clock.now()
+                new = step.accepted + [step.next_token]
+                committed[length: length + len(new)] = torch.tensor(new, dtype=torch.long)
+                length += len(new)
+                commit(new, step.emitted_logits)
+                _record_step(stats, step, drafter.active_method(state), t1 - t0, t2 - t1, load, proposal)
+                # 5. tell the drafter what was accepted
+                drafter.observe(state, StepFeedback(committed[:length], step.num_drafted, len(step.accepted),
+                                                    cache.length, step.hidden_states, step.accepted_nodes,
+                                                    step.aux_logits))
 
     stats.verify_time_s += stats.prefill_time_s
     stats.new_tokens = len(output.tokens)
@@ -131,15 +134,30 @@ def speculative_generate(
                             None if logprobs is None else commit.logprobs[: len(output.tokens)])
 
 
-def _prefill(target, prompt_ids: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
-             layers: tuple[int, ...], constraint: GrammarState | None):
+@contextmanager
+def _prefilled(target, prompt_ids: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
+               layers: tuple[int, ...], constraint: GrammarState | None):
     """The prompt through a new cache: ``(cache, first token, hidden states at the prompt's positions,
-    the logits row that chose the first token)``."""
+    the logits row that chose the first token)``; the cache is released when the block ends, however
+    it ends (its room goes back now, not when a traceback lets go of it)."""
     cache = target.new_cache()
-    result = target.forward(prompt_ids, cache, num_logits=1, hidden_layers=layers)
-    masks = None if constraint is None else constraint.chain([])[1]
-    _, first = verify_chain(result.logits, prompt_ids[:0], None, prompt_ids, sampling, generator, masks=masks)
-    return cache, first, result.hidden_states, result.logits[-1:]
+    try:
+        result = target.forward(prompt_ids, cache, num_logits=1, hidden_layers=layers)
+        masks = None if constraint is None else constraint.chain([])[1]
+        _, first = verify_chain(result.logits, prompt_ids[:0], None, prompt_ids, sampling, generator, masks=masks)
+        yield cache, first, result.hidden_states, result.logits[-1:]
+    finally:
+        cache.release()
+
+
+@contextmanager
+def _started(drafter: Drafter, ctx: DraftContext):
+    """The drafter's state for this generation, finished when the block ends, however it ends."""
+    state = drafter.start(ctx)
+    try:
+        yield state
+    finally:
+        drafter.finish(state)
 
 
 def _with_forced(proposal: Proposal, constraint: GrammarState | None) -> Proposal:

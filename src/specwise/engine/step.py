@@ -15,6 +15,7 @@ The acceptance maths itself is pure and lives in :mod:`specwise.engine.verify` (
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -185,7 +186,7 @@ class VerifiedStep:
 def verify_proposal(target, cache: TargetCache, context: torch.Tensor, proposal: Proposal, *, budget: int,
                     sampling: SamplingConfig, generator: torch.Generator | None,
                     hidden_layers: tuple[int, ...], grammar: GrammarState | None = None,
-                    emitted_logits: bool = False) -> VerifiedStep:
+                    emitted_logits: bool = False, room: int | None = None) -> VerifiedStep:
     """Verify a proposal in one target forward and keep only the accepted path in the KV cache.
 
     Args:
@@ -203,13 +204,27 @@ def verify_proposal(target, cache: TargetCache, context: torch.Tensor, proposal:
             as a leaf, because the siblings tried after it were drawn with it excluded).
         emitted_logits: also return the raw logits of the rows that chose the emitted tokens (for
             log-probabilities; the rows the verification computed anyway).
+        room: the most tokens the forward may add to the cache (the generation's cells left,
+            :mod:`specwise.engine.capacity`), >= 1: a longer chain is cut, a larger tree keeps its
+            first nodes, auxiliary tokens that would not fit are left out (their drafter sees no
+            ``aux_logits`` that step); ``None``: no bound. Only fewer drafts are verified, so the
+            output is unchanged.
 
     Returns:
         :class:`VerifiedStep`; the cache then holds ``T + len(accepted) + 1`` positions.
     """
+    if room is not None:
+        budget = max(0, min(budget, room - 1))
+        if proposal.auxiliary is not None and _tree_size(proposal, budget) + proposal.auxiliary.tokens.numel() > room:
+            proposal = dataclasses.replace(proposal, auxiliary=None)
     verify = _verify_plain_chain if _is_plain_chain(proposal) else _verify_as_tree
     return verify(target, cache, context, proposal, budget, sampling, generator, hidden_layers, grammar,
-                  emitted_logits)
+                  emitted_logits, room)
+
+
+def _tree_size(proposal: Proposal, budget: int) -> int:
+    """Nodes (the root included) of the proposal's tree pruned to ``budget``."""
+    return DraftTree.build(0, proposal.tokens, proposal.parents).pruned(budget).size
 
 
 def _is_plain_chain(proposal: Proposal) -> bool:
@@ -218,7 +233,7 @@ def _is_plain_chain(proposal: Proposal) -> bool:
 
 
 def _verify_plain_chain(target, cache, context, proposal, budget, sampling, generator, hidden_layers,
-                        grammar, emitted_logits) -> VerifiedStep:
+                        grammar, emitted_logits, room) -> VerifiedStep:
     """The fast path: a causal forward over root + drafts, then a rollback past the accepted ones."""
     start = cache.length
     drafts = proposal.tokens[:budget]
@@ -248,7 +263,7 @@ def _verify_plain_chain(target, cache, context, proposal, budget, sampling, gene
 
 
 def _verify_as_tree(target, cache, context, proposal, budget, sampling, generator, hidden_layers,
-                    grammar, emitted_logits) -> VerifiedStep:
+                    grammar, emitted_logits, room) -> VerifiedStep:
     """A tree (and any auxiliary tokens) in one forward with a 4-D mask, walked by the proposal's rule.
 
     Unless the rule reads every node, the LM head runs on the drafter's most likely path only and
@@ -256,6 +271,8 @@ def _verify_as_tree(target, cache, context, proposal, budget, sampling, generato
     """
     start = cache.length
     tree = DraftTree.build(context[-1], proposal.tokens, proposal.parents).pruned(budget)
+    if room is not None and tree.size + (0 if proposal.auxiliary is None else proposal.auxiliary.tokens.numel()) > room:
+        tree = tree.keeping(torch.arange(tree.size, device=tree.tokens.device) < room)  # parents come first
     node_masks = None
     if grammar is not None:
         tree, node_masks = _grammar_tree(tree, grammar, proposal, sampling)

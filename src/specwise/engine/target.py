@@ -60,6 +60,10 @@ class TargetCache(Protocol):
         """After a tree forward that wrote n nodes from slot ``start``: keep exactly the nodes
         ``nodes`` (indices into that forward's tokens, in order) at ``start, start + 1, ...``."""
 
+    def release(self) -> None:
+        """Give the cache's room back to the target now (the loop calls it when its generation
+        ends, however it ends); the cache is not used afterwards. Idempotent."""
+
 
 @runtime_checkable
 class DecodingTarget(Protocol):
@@ -93,8 +97,10 @@ class DecodingTarget(Protocol):
     def logits_from_final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, H]`` final hidden states -> ``[R, V]`` logits."""
 
-    def new_cache(self) -> TargetCache:
-        """An empty cache for one generation."""
+    def new_cache(self, within: TargetCache | None = None) -> TargetCache:
+        """An empty cache for one generation; with ``within`` (a running generation's cache), an
+        empty side cache inside that generation's own room, for a drafter's forward between its
+        steps (:attr:`specwise.engine.types.DraftContext.side_cache`)."""
 
     def forward(self, input_ids: torch.Tensor, cache: TargetCache, *, num_logits: int | None = None,
                 logit_rows: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),

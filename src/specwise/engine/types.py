@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -150,6 +151,10 @@ class DraftContext:
         cache_length: tokens the target's KV cache holds (always ``T``).
         hidden_states: at prefill only, the target's hidden states ``[T, H]`` for each layer in
             the drafter's ``target_hidden_layers``; empty otherwise.
+        side_cache: ``() -> TargetCache``, an empty cache within this generation's own room on
+            the target (its range of sequence ids on llama.cpp) for a forward of the drafter's
+            own between steps (a drafter with ``side_forwards``); release it before returning.
+            ``None`` where the loop gives none (then ``target.new_cache()``).
     """
 
     token_ids: torch.Tensor
@@ -158,6 +163,7 @@ class DraftContext:
     generator: torch.Generator | None
     cache_length: int
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    side_cache: Callable[[], Any] | None = None
 
 
 @dataclass(frozen=True)

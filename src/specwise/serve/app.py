@@ -148,7 +148,8 @@ class Service:
         endpoint = "/v1/chat/completions" if chat else "/v1/completions"
         prepared = await asyncio.to_thread(prepare, self.target, body, chat, self.limits)
         job = Job(prepared.request_id, prepared.kwargs, prepared.method, prepared.options, deadline=float("inf"),
-                  loop=asyncio.get_running_loop(), stream=body.stream, user=body.user)
+                  loop=asyncio.get_running_loop(), stream=body.stream, user=body.user,
+                  prompt_tokens=prepared.prompt_tokens)
         self.worker.submit(job)
         if body.stream:
             self.metrics.requests.labels(endpoint, "200").inc()
@@ -182,9 +183,15 @@ class Service:
                 raise value
             return value
 
-    def _token_text(self, token: int) -> str:
-        """One token's text, special tokens kept (for log-probabilities)."""
-        return self.target.decode([token], special_tokens=True)
+    def _token_text(self, token: int) -> tuple[str, bytes]:
+        """One token's text, special tokens kept, and its own bytes (for log-probabilities): from the
+        grammar engine's byte-level view of the vocabulary where the target has one (built at
+        start), else the text's UTF-8 (which a token holding part of a character cannot give)."""
+        text = self.target.decode([token], special_tokens=True)
+        compiler = self.target.__dict__.get("_grammar_compiler")
+        if compiler is None or not 0 <= token < compiler.real_tokens or compiler.tokenizer.is_special_token(token):
+            return text, text.encode("utf-8")
+        return text, compiler.tokenizer.decode_bytes([token])
 
     async def _stream(self, job: Job, body, chat: bool, prompt_tokens: int):
         done = False

@@ -20,26 +20,32 @@ def _json(data) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
-def logprobs_body(result, chat: bool, token_text: Callable[[int], str]) -> dict | None:
+def logprobs_body(result, chat: bool, token_text: Callable[[int], tuple[str, bytes]]) -> dict | None:
     """OpenAI's ``logprobs`` of a choice from ``result.logprobs`` (``None`` when not asked for): chat's
     ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``, or the completions API's
     ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``. The EOS that ended the
-    generation is left out, as it is from the text."""
+    generation is left out, as it is from the text.
+
+    Args:
+        token_text: one token's ``(text, bytes)``: the bytes are the token's own, so a token that
+            holds part of a UTF-8 character has the bytes of that part (its text shows U+FFFD).
+    """
     entries = result.logprobs
     if entries is None:
         return None
     if result.stop_reason == "eos" and entries:
         entries = entries[:-1]
 
-    text = token_text
+    def text(token: int) -> str:
+        return token_text(token)[0]
 
     def value(logprob: float) -> float:
         return max(logprob, -9999.0)  # JSON has no -inf; OpenAI reports -9999 for tokens it rules out
 
     if chat:
         def item(token: int, logprob: float) -> dict:
-            piece = text(token)
-            return {"token": piece, "logprob": value(logprob), "bytes": list(piece.encode("utf-8"))}
+            piece, raw = token_text(token)
+            return {"token": piece, "logprob": value(logprob), "bytes": list(raw)}
         return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                             for e in entries], "refusal": None}
     pieces = [text(e.token_id) for e in entries]
@@ -50,9 +56,9 @@ def logprobs_body(result, chat: bool, token_text: Callable[[int], str]) -> dict 
 
 
 def completion_body(job, result, model: str, chat: bool, prompt_tokens: int,
-                    token_text: Callable[[int], str]) -> dict:
+                    token_text: Callable[[int], tuple[str, bytes]]) -> dict:
     """The non-streamed response to ``job``, whose generation returned ``result`` (``token_text``:
-    one token's text, for log-probabilities)."""
+    one token's text and bytes, for log-probabilities)."""
     text = "".join(job.pieces)
     reason = finish_reason(result)
     logprobs = logprobs_body(result, chat, token_text)
@@ -73,14 +79,14 @@ def completion_body(job, result, model: str, chat: bool, prompt_tokens: int,
 
 
 async def stream_events(job, body, chat: bool, model: str, prompt_tokens: int, on_done,
-                        token_text: Callable[[int], str]) -> AsyncIterator[bytes]:
+                        token_text: Callable[[int], tuple[str, bytes]]) -> AsyncIterator[bytes]:
     """The SSE chunks of ``job`` as its events arrive, then ``data: [DONE]``; an error event (the
     time limit, a shutdown) ends the stream the same way.
 
     Args:
         job: the running :class:`~specwise.serve.worker.Job`. body: the parsed request.
         on_done: called with the result when the generation finishes (metrics, the log line).
-        token_text: one token's text; log-probabilities asked for come whole in the chunk that
+        token_text: one token's text and bytes; log-probabilities asked for come whole in the chunk that
             carries the finish reason (a client that joins every chunk's list gets them all).
 
     Returns (yields):

@@ -28,9 +28,11 @@ import typing
 from collections import deque
 from typing import Any
 
-from specwise.api import build_drafter, generate, shared_drafter
+from specwise.api import build_drafter, generate, grammar_compiler, shared_drafter
 from specwise.drafters import METHODS
-from specwise.errors import SpecwiseError
+from specwise.engine.capacity import footprint
+from specwise.engine.grammar import GrammarError
+from specwise.errors import CapacityError, EngineError, SpecwiseError
 from specwise.many import batch_load, batches_generations
 from specwise.serve.protocol import ApiError
 
@@ -133,6 +135,8 @@ class Job:
     loop: asyncio.AbstractEventLoop
     stream: bool = True
     user: str | None = None  # OpenAI's end-user id, logged with the request
+    prompt_tokens: int = 0  # the prompt's length in tokens (admission by capacity counts it)
+    seat: Any = None  # its reservation in the target's pool while it runs in a batch
     pieces: list[str] = dataclasses.field(default_factory=list)
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     stop_reason: str | None = None
@@ -179,7 +183,10 @@ class GenerationWorker:
         metrics: a :class:`specwise.serve.metrics.ServerMetrics`.
         built_options: options of a method's drafter built at start, by method (default none).
         max_batch: generations running at once on a batching target (1: one at a time; capped
-            by the target's cache ranges, one kept free for ``auto``'s switches).
+            by the target's cache ranges). On a target whose generations share one pool of cache
+            cells (``target.capacity``), each also reserves its worst case before it starts
+            (:mod:`specwise.engine.capacity`): the first waiting job waits until the running ones
+            leave room, and one that could not fit even alone is refused by :meth:`submit` (400).
     """
 
     def __init__(self, target, methods: list[str], max_queue: int, time_limit_s: float, metrics,
@@ -195,6 +202,7 @@ class GenerationWorker:
         self._closing = False
         self._running: set[Job] = set()
         self.max_batch = self._batch_width(target, max_batch, methods)
+        self._capacity = getattr(target, "capacity", None) if self.max_batch > 1 else None
         self._load = None
         self._drafters: dict[str, Any] = {}
         self._thread = threading.Thread(target=self.run, name="specwise-worker", daemon=True)
@@ -208,6 +216,11 @@ class GenerationWorker:
         """
         for method in self.methods:
             self._drafters[method] = build_drafter(self.target, method, **self.built_options.get(method, {}))
+        try:  # seconds of work: now, not inside the first constrained request
+            if getattr(self.target, "tokenizer", None) is not None:
+                grammar_compiler(self.target)
+        except SpecwiseError as exc:  # a constrained request will say so itself
+            log.warning("constrained output is not available on %s: %s", getattr(self.target, "name", "the target"), exc)
         if self.max_batch > 1:
             self._load = batch_load(self.target, on_decision=self.metrics.record_decision)
         if thread:
@@ -220,8 +233,7 @@ class GenerationWorker:
                 log.info("the %s engine runs one generation at a time (--max-batch %d not used)",
                          getattr(target, "engine", "torch"), max_batch)
             return 1
-        ranges = getattr(target, "max_generations", max_batch)
-        return max(1, min(max_batch, ranges - 1 if "auto" in methods else ranges))
+        return max(1, min(max_batch, getattr(target, "max_generations", max_batch)))
 
     def shutdown(self) -> None:
         """Refuse new and waiting jobs (503), stop the running ones at their next step (they end
@@ -240,10 +252,22 @@ class GenerationWorker:
             log.info("shutting down: %d waiting requests refused", len(refused))
 
     def close(self) -> None:
-        """:meth:`shutdown`, then wait (up to a minute) for a worker thread of its own to end."""
+        """:meth:`shutdown`, then wait (up to a minute) for a worker thread of its own and the
+        running generations to end."""
         self.shutdown()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
+        self._wait_running(60.0)
+
+    def _wait_running(self, timeout_s: float) -> None:
+        """Wait until no generation runs (they stop at their next step after :meth:`shutdown`), so
+        the engine's context is never freed under a running decode; at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self._running and time.monotonic() < deadline:
+                self._changed.wait(timeout=0.2)
+            if self._running:
+                log.warning("shutting down with %d generations still running", len(self._running))
 
     @property
     def waiting(self) -> int:
@@ -262,6 +286,9 @@ class GenerationWorker:
             ApiError: 503 with ``Retry-After`` when ``max_queue`` jobs are already waiting, or the
                 server is shutting down.
         """
+        need = self._need(job)
+        if need is not None and not self._capacity.fits_alone(need):
+            raise ApiError(400, self._capacity.refusal(need), "max_tokens")
         with self._changed:
             if self._closing:
                 raise shutting_down()
@@ -285,13 +312,14 @@ class GenerationWorker:
         return True
 
     def run(self) -> None:
-        """Run jobs in order until :meth:`shutdown` (the running ones then end at their next step)."""
+        """Run jobs in order until :meth:`shutdown`; returns once the running ones have ended (they stop
+        at their next step), so the engine is never freed under them."""
         while True:
             with self._changed:
-                while (not self._jobs or len(self._running) >= self.max_batch) and not self._closing:
+                while not self._closing and not self._admit_next():
                     self._changed.wait(timeout=1.0)  # a timeout lets a signal handler run on this thread
                 if self._closing:
-                    return
+                    break
                 job = self._jobs.popleft()
                 self._running.add(job)
                 self._set_gauges()
@@ -299,6 +327,28 @@ class GenerationWorker:
                 self._run(job)
             else:
                 threading.Thread(target=self._run, args=(job,), name=f"specwise-{job.id}", daemon=True).start()
+        self._wait_running(60.0)
+
+    def _admit_next(self) -> bool:
+        """Whether the first waiting job may start now: a batch seat is free and, on a shared pool,
+        its worst case is reserved (it waits, first in line, until the running ones leave room)."""
+        if not self._jobs or len(self._running) >= self.max_batch:
+            return False
+        job = self._jobs[0]
+        need = self._need(job)
+        if need is None:
+            return True
+        job.seat = self._capacity.try_reserve(need)
+        return job.seat is not None
+
+    def _need(self, job: Job):
+        """``job``'s worst case in the target's pool (:func:`specwise.engine.capacity.footprint`),
+        or ``None`` where generations do not share one (one at a time, or no pool)."""
+        if self._capacity is None:
+            return None
+        drafter = self._drafters.get(job.method)
+        return footprint(job.prompt_tokens, job.kwargs.get("max_new_tokens", 1), self.target.max_context,
+                         bool(getattr(drafter, "side_forwards", False)))
 
     def _set_gauges(self) -> None:
         self.metrics.queue_depth.set(len(self._jobs))
@@ -308,6 +358,8 @@ class GenerationWorker:
         try:
             self._run_job(job)
         finally:
+            if job.seat is not None:
+                job.seat.release()
             with self._changed:
                 self._running.discard(job)
                 self._set_gauges()
@@ -325,6 +377,14 @@ class GenerationWorker:
                 job.emit("error", shutting_down())
         except ApiError as exc:
             job.emit("error", exc)
+        except CapacityError as exc:  # the engine's room, not the request: another time it fits
+            log.warning("request %s: %s", job.id, exc)
+            job.emit("error", ApiError(503, str(exc), kind="server_error", headers={"Retry-After": "1"}))
+        except EngineError as exc:
+            log.error("request %s failed in the engine: %s", job.id, exc)
+            job.emit("error", ApiError(500, f"the engine failed on this request: {exc}", kind="server_error"))
+        except GrammarError as exc:  # e.g. a grammar that outgrew the parser's limits mid-generation
+            job.emit("error", ApiError(400, str(exc), "response_format"))
         except SpecwiseError as exc:  # bad input the cheap checks could not see (e.g. a chat template)
             job.emit("error", ApiError(400, str(exc)))
         except Exception:  # noqa: BLE001 - the client gets one sentence, the log the traceback

@@ -3,10 +3,11 @@
 Each generation runs its own decoding loop on its own thread, unchanged; a thread that enrolls as
 a *member* (:meth:`DecodeBatcher.member`) has its target forwards gathered with every other
 member's: when every member has one waiting, the last to arrive runs them all in one call of the
-engine (``run_many``) and wakes the others. A generation joins the batch at its first forward and
-leaves it when its ``member`` block ends (finished, cancelled, timed out or failed), so the batch
-changes between steps, never inside one. A thread that is not a member runs its forwards alone,
-as before.
+engine (``run_many``) and wakes the others. A generation joins the batch at its first forward (what
+it does before, tokenizing, compiling a grammar, building its drafter, never holds up the others'
+rounds) and leaves it when its ``member`` block ends (finished, cancelled, timed out or failed), so
+the batch changes between steps, never inside one. A thread that is not a member runs its
+forwards alone, as before.
 
 Each request carries its own cache (a range of sequence ids on the llama.cpp engine), so what one
 generation computes does not depend on which others share its step, except through the engine's
@@ -49,6 +50,7 @@ class DecodeBatcher:
         self._run_many = run_many
         self._changed = threading.Condition()
         self._members: set[int] = set()
+        self._joined: set[int] = set()  # members that have submitted a forward: each round waits for these
         self._pending: list[DecodeRequest] = []
         self._running = False
         self.rounds = 0  # batched rounds run (for tests and metrics)
@@ -76,6 +78,7 @@ class DecodeBatcher:
         finally:
             with self._changed:
                 self._members.discard(ident)
+                self._joined.discard(ident)
                 self._changed.notify_all()  # the others may all be waiting for this one
 
     def submit(self, payload: Any, member: bool | None = None) -> Any:
@@ -102,10 +105,11 @@ class DecodeBatcher:
 
     def _wait_for_round(self, request: DecodeRequest) -> None:
         with self._changed:
+            self._joined.add(threading.get_ident())
             self._pending.append(request)
             self._changed.notify_all()
             while not request.done:
-                if self._running or len(self._pending) < len(self._members):
+                if self._running or len(self._pending) < len(self._joined):
                     self._changed.wait(timeout=0.5)
                     continue
                 batch, self._pending, self._running = self._pending, [], True

@@ -122,8 +122,9 @@ class Target:
         tolerance = 4 * torch.finfo(self.dtype).eps * float(expected.abs().max()) + 1e-6
         return bool(((ours - expected).abs() <= tolerance).all())
 
-    def new_cache(self) -> KVCache:
-        """An empty KV cache for one generation."""
+    def new_cache(self, within: KVCache | None = None) -> KVCache:
+        """An empty KV cache for one generation (``within``, a running generation's cache, changes
+        nothing here: every cache has its own tensors)."""
         return KVCache()
 
     def encode(self, text: str) -> torch.Tensor:

@@ -111,6 +111,10 @@ class KVCache:
         """Number of tokens (positions) whose keys and values are cached."""
         return self.hf_cache.get_seq_length()
 
+    def release(self) -> None:
+        """Free the cached keys and values now (the cache is empty afterwards)."""
+        self.hf_cache = Cache(layer_class_to_replicate=GrowableLayer)
+
     def rollback(self, length: int) -> None:
         """Drop every cached position from ``length`` on.
 

@@ -39,6 +39,7 @@
 from __future__ import annotations
 
 import ctypes
+import queue
 import re
 import threading
 import weakref
@@ -51,9 +52,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from specwise.engine.capacity import Capacity
 from specwise.engine.clock import cpu_flags
 from specwise.engine.target import AttentionLayout, TargetOutput
-from specwise.errors import ConfigError, TargetLoadError
+from specwise.errors import CapacityError, ConfigError, EngineError, TargetLoadError
 from specwise.targets.batching import DecodeBatcher
 from specwise.targets.chat import chat_prompt_ids, check_messages, end_of_turn_ids
 from specwise.targets.gguf_parts import GGUFParts
@@ -189,18 +191,29 @@ class Taps:
         self.wanted: dict[bytes, int] = {}
         self.got: dict[int, list[np.ndarray]] = {}
         self._base = None
+        self.error: BaseException | None = None  # what the callback raised during the decode under way
         self.callback = lc.ggml_backend_sched_eval_callback(self._call)
 
     def ask(self, wanted: dict[bytes, int]) -> None:
-        """Ask the next decodes for ``wanted`` (``{}``: none), dropping what was copied."""
+        """Ask the next decodes for ``wanted`` (``{}``: none), dropping what was copied and any error."""
         if wanted and self._base is None:
             self._base = _ggml_base()
         self.wanted = wanted
         self.got = {layer: [] for layer in wanted.values()}
+        self.error: BaseException | None = None
 
     def _call(self, tensor, ask, user_data) -> bool:
         if not self.wanted:
             return False  # nothing wanted: no tensor is kept, so the graph is not split
+        # an exception cannot cross ggml's C frames (ctypes would print and drop it): it is kept for
+        # the decode to raise, and returning False stops the graph's computation
+        try:
+            return self._copy(tensor, ask)
+        except Exception as exc:  # noqa: BLE001 - re-raised by the decode that asked
+            self.error = exc
+            return False
+
+    def _copy(self, tensor, ask) -> bool:
         layer = self.wanted.get(self._base.ggml_get_name(tensor))
         if layer is None:
             return False
@@ -218,22 +231,35 @@ class Taps:
 class LlamaCppCache:
     """One generation's cache on a :class:`LlamaCppTarget`: a range of sequence ids of its context.
 
+    Its range goes back to the target by :meth:`release` (the loop calls it when the generation
+    ends) or, failing that, when the cache is collected; either way only through the target's
+    release queue, which never takes a lock (a finalizer may run on a thread holding the target's
+    lock, inside a decode).
+
     Attributes:
         base: the sequence id holding the committed tokens; ``base + 1 ..`` are branch sequences.
         length: positions held (the committed tokens before the root).
     """
 
-    def __init__(self, target: "LlamaCppTarget", slot: int) -> None:
+    def __init__(self, target: "LlamaCppTarget", slot: int, base: int | None = None) -> None:
         self.target, self.slot = target, slot
-        self.base = slot * SEQUENCES_PER_GENERATION
+        self.base = slot * SEQUENCES_PER_GENERATION if base is None else base
         self.length = 0
         self._branches: list[list[int]] | None = None  # per token of the last tree forward, its sequence ids
         self._start = 0
         self._tree_tokens: list[int] = []
-        # the token at each position of the committed sequence (one list, changed in place: the
-        # target keeps it when the cache is released, for the next prompts that share a prefix)
-        self.tokens: list[int] = target._live.setdefault(slot, [])
-        weakref.finalize(self, target._release, slot)
+        if base is None:
+            # the token at each position of the committed sequence (one list, changed in place: the
+            # target keeps it when the cache is released, for the next prompts that share a prefix)
+            self.tokens: list[int] = target._live.setdefault(slot, [])
+            self._finalizer = weakref.finalize(self, target._released.put, (slot, None))
+        else:  # a side cache on one sequence of a running generation's range (:meth:`LlamaCppTarget.new_cache`)
+            self.tokens = []
+            self._finalizer = weakref.finalize(self, target._released.put, (slot, base))
+
+    def release(self) -> None:
+        """Give the cache's sequences back (at the target's next decode or cache request); idempotent."""
+        self._finalizer()
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` positions of the committed sequence."""
@@ -321,12 +347,18 @@ class LlamaCppTarget:
             | {t for t in (tokenizer.eos_token_id,) if t is not None and 0 <= t < self.vocab_size})
         self.lock = threading.Lock()  # a context decodes one batch at a time
         self._free_slots = list(range(GENERATIONS))
+        # caches given back, ``(slot, None)`` for a generation's range or ``(slot, seq)`` for a side
+        # cache's sequence: put there without a lock (finalizers), emptied under it (:meth:`_drain`)
+        self._released: queue.SimpleQueue = queue.SimpleQueue()
         self.prefix_reuse = prefix_reuse
         self.reused_tokens = 0  # prompt tokens taken from cached sequences instead of decoded
         self._live: dict[int, list[int]] = {}  # slot -> its committed tokens (running generations)
         self._kept: dict[int, list[int]] = {}  # free slot -> the tokens its committed sequence still holds
         self._batch = lc.llama_batch_init(BATCH_TOKENS, 0, SEQUENCES_PER_GENERATION)
         self._batcher = DecodeBatcher(self._decode_many)
+        # the pool's cells (the unified cache holds max_context) and ranges, reserved by the
+        # generations a batch admits (the worker, generate_many)
+        self.capacity = Capacity(self.max_context, GENERATIONS)
         self._finalizer = weakref.finalize(self, _free_native, self._batch, self.ctx, self.model)
 
     def _context_params(self):
@@ -388,15 +420,25 @@ class LlamaCppTarget:
     def logits_from_final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         raise ConfigError("the llama.cpp engine computes logits only in its forward.")
 
-    def new_cache(self) -> LlamaCppCache:
-        """A cache for one generation: a free range of sequence ids, emptied.
+    def new_cache(self, within: LlamaCppCache | None = None) -> LlamaCppCache:
+        """A cache for one generation: a free range of sequence ids, emptied. With ``within`` (a
+        running generation's cache), a side cache on that generation's last branch sequence, for a
+        forward between its steps (none of its tree's branches exist then); release it before the
+        generation's next forward.
 
         Raises:
-            ConfigError: every range is in use (more than :data:`GENERATIONS` generations at once).
+            CapacityError: every range is in use (more than :data:`GENERATIONS` generations at once).
         """
+        if within is not None:
+            side = within.base + SEQUENCES_PER_GENERATION - 1
+            with self.lock:
+                self._drain()
+                lc.llama_memory_seq_rm(self.memory, side, -1, -1)
+            return LlamaCppCache(self, within.slot, base=side)
         with self.lock:
+            self._drain()
             if not self._free_slots:
-                raise ConfigError(f"the llama.cpp target {self.name} serves at most {GENERATIONS} generations at once.")
+                raise CapacityError(f"the llama.cpp target {self.name} serves at most {GENERATIONS} generations at once.")
             # a range whose tokens no one can reuse first, else the one kept longest
             slot = next((s for s in self._free_slots if s not in self._kept), self._free_slots[0])
             self._free_slots.remove(slot)
@@ -407,17 +449,36 @@ class LlamaCppTarget:
                 lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
         return LlamaCppCache(self, slot)
 
+    @property
+    def free_generations(self) -> int:
+        """Ranges free for a new generation now (released caches counted)."""
+        with self.lock:
+            self._drain()
+            return len(self._free_slots)
+
+    def _drain(self) -> None:
+        """Give back the caches released since the last call (the lock held)."""
+        while True:
+            try:
+                slot, seq = self._released.get_nowait()
+            except queue.Empty:
+                return
+            if seq is not None:
+                lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
+            else:
+                self._release(slot)
+
     def _release(self, slot: int) -> None:
-        if self._finalizer.alive:
-            with self.lock:
-                base = slot * SEQUENCES_PER_GENERATION
-                tokens = self._live.pop(slot, [])
-                keep = self.prefix_reuse and len(tokens) >= MIN_REUSED
-                for seq in range(base + 1 if keep else base, base + SEQUENCES_PER_GENERATION):
-                    lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
-                if keep:  # its committed sequence stays until the range is needed again
-                    self._kept[slot] = tokens
-                self._free_slots.append(slot)
+        """A generation's range back to the free list (the lock held); its committed sequence is
+        kept for prefix reuse while no one needs its cells."""
+        base = slot * SEQUENCES_PER_GENERATION
+        tokens = self._live.pop(slot, [])
+        keep = self.prefix_reuse and len(tokens) >= MIN_REUSED
+        for seq in range(base + 1 if keep else base, base + SEQUENCES_PER_GENERATION):
+            lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        if keep:  # its committed sequence stays until the range is needed again
+            self._kept[slot] = tokens
+        self._free_slots.append(slot)
 
     def _reuse_prefix(self, tokens: list[int], cache: LlamaCppCache) -> int:
         """Fill an empty cache with the longest prefix of ``tokens`` that a committed sequence
@@ -522,8 +583,21 @@ class LlamaCppTarget:
                 groups.append([])
             groups[-1].append(request)
         with self.lock:
+            self._drain()
             for group in groups:
-                self._decode_group(group)
+                try:
+                    self._decode_group(group)
+                except EngineError as exc:
+                    if len(group) == 1:
+                        group[0].error = exc
+                        continue
+                    # one member's fault stays its own: each runs alone, and only those that fail
+                    # alone get an error (a failed decode leaves the cache as it was)
+                    for request in group:
+                        try:
+                            self._decode_group([request])
+                        except EngineError as alone:
+                            request.error = alone
 
     def _decode_group(self, group: list) -> None:
         """One ``llama_decode`` over the group's requests (the lock held), their results split out."""
@@ -544,11 +618,18 @@ class LlamaCppTarget:
                     lc.llama_memory_seq_rm(self.memory, slot * SEQUENCES_PER_GENERATION, -1, -1)
                 self._kept.clear()
                 code = lc.llama_decode(self.ctx, self._batch)
+            if code != 0 or self._taps.error is not None:
+                self._undo(parts)
+            if self._taps.error is not None:
+                raise EngineError(f"reading {self.name}'s hidden states failed: {self._taps.error}") \
+                    from self._taps.error
             if code != 0:
                 size = sum(len(p.tokens) for p in parts)
-                raise ConfigError(f"llama.cpp's decode failed (code {code}) on {size} tokens of {len(parts)} "
-                                  f"generation(s) at position {parts[0].positions[0]}"
-                                  + (": its cache is full." if code == 1 else "."))
+                where = f"{size} tokens of {len(parts)} generation(s) at position {parts[0].positions[0]}"
+                if code == 1:
+                    raise CapacityError(f"{self.name}'s cache of {self.max_context} cells has no room for {where}; "
+                                        "retry when fewer generations run.")
+                raise EngineError(f"llama.cpp's decode failed (code {code}) on {where}.")
             count = sum(sum(p.flags) for p in parts)
             out = np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(count, self.vocab_size)).copy() \
                 if count else np.empty((0, self.vocab_size), dtype=np.float32)
@@ -563,6 +644,15 @@ class LlamaCppTarget:
                     else got[layer][token_at: token_at + n] for layer in part.taps.values()}
             request.result = (out[row_at: row_at + m], mine)
             token_at, row_at = token_at + n, row_at + m
+
+    def _undo(self, parts: list) -> None:
+        """Drop what a failed decode may have left of its parts (an aborted graph keeps its cells):
+        every sequence they wrote, from their first new position on (the lock held)."""
+        for part in parts:
+            if part.positions:
+                start = min(part.positions)
+                for seq in {s for row in part.seqs for s in row}:
+                    lc.llama_memory_seq_rm(self.memory, seq, start, -1)
 
     @contextmanager
     def batch_member(self) -> Iterator[None]:

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import jsonschema
 
+from specwise.engine.grammar import unsupported_in_schema
 from specwise.errors import ConfigError
 
 #: the block a Hermes-style template (Qwen2.5's) wraps each call in
@@ -98,11 +99,19 @@ def check_tools(tools: Any) -> dict[str, dict]:
         schema = {"type": "object", "properties": {}, "additionalProperties": False} if parameters is None \
             else parameters
         if not isinstance(schema, Mapping) or schema.get("type", "object") != "object":
-            raise ToolError(f"the parameters of tool {name!r} must be a JSON schema of an object.")
+            raise ToolError(f"the parameters of tool {name!r} must be a JSON schema of an object "
+                            f"(its 'type' is {schema.get('type') if isinstance(schema, Mapping) else schema!r}).")
+        # arguments are always an object (OpenAI's rule); a schema that leaves its type out (or {})
+        # means one, and without the type the grammar would allow any JSON value
+        schema = {**schema, "type": "object"}
         try:
             jsonschema.validators.validator_for(schema).check_schema(schema)
         except jsonschema.SchemaError as exc:
             raise ToolError(f"the parameters of tool {name!r} are not a valid JSON schema: {exc.message}.") from None
+        refused = unsupported_in_schema(schema)
+        if refused:
+            raise ToolError(f"the parameters of tool {name!r} use what constrained output cannot enforce "
+                            f"({refused}); leave it out of the schema.")
         schemas[name] = dict(schema)
     return schemas
 
@@ -161,7 +170,7 @@ def call_grammar(schemas: Mapping[str, dict], only: str | None = None, parallel:
     names = [only] if only is not None else list(schemas)
     alternatives = []
     for i, name in enumerate(names):
-        parameters = dict(schemas[name])
+        parameters = _refs_moved(dict(schemas[name]), "#/properties/arguments")
         lifted = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
         body = {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
                 "required": ["name", "arguments"], "additionalProperties": False, **lifted,
@@ -174,6 +183,24 @@ def call_grammar(schemas: Mapping[str, dict], only: str | None = None, parallel:
     lines = [f'start: call{repeat} "\\n"?', f'call: {opening} "\\n" (' + " | ".join(f"call_{i}" for i in range(len(names)))
              + f') "\\n" {closing}', *alternatives]
     return {"type": "grammar", "grammar": "\n".join(lines)}
+
+
+def _refs_moved(schema: Any, at: str) -> Any:
+    """``schema`` (a parameters schema, its own document) as it reads when placed at JSON pointer
+    ``at`` inside the call object: each local ``$ref`` into it points there, except those into
+    ``$defs``/``definitions``, which the call object lifts to its own top level."""
+    if isinstance(schema, list):
+        return [_refs_moved(item, at) for item in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    moved = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")) \
+                and not value.startswith(("#/$defs/", "#/definitions/")):
+            moved[key] = at + value[1:]
+        else:
+            moved[key] = _refs_moved(value, at)
+    return moved
 
 
 def parse_tool_calls(text: str, schemas: Mapping[str, dict]) -> tuple[str | None, list[ToolCall]] | None:

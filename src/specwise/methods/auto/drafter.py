@@ -194,6 +194,7 @@ class AutoDrafter(Drafter):
         self.candidates = candidates if candidates is not None else build_candidates(target, config)
         self.target_hidden_layers = tuple(sorted({layer for d in self.candidates.values()
                                                   for layer in d.target_hidden_layers}))
+        self.side_forwards = bool(self.target_hidden_layers)  # a switch may recompute them (_recompute_hidden)
         self.clock = clock
         # on llama.cpp a hidden-state tap splits ggml's graph and copies the rows out (a step of `ar`
         # with every candidate's taps costs measurably more, docs/llamacpp.md), so while the running
@@ -318,10 +319,14 @@ class AutoRun:
 
     def _recompute_hidden(self, ctx: DraftContext) -> None:
         """The hidden states at every committed position but the root, from one forward of the
-        context through a cache of its own (the generation's cache is not touched)."""
+        context through a side cache (the generation's cache is not touched; on llama.cpp the side
+        cache lies in the generation's own range, so no other generation's range is borrowed)."""
         target = self.auto.target
-        out = target.forward(ctx.token_ids[:-1], target.new_cache(), num_logits=1,
-                             hidden_layers=self.auto.target_hidden_layers)
+        cache = ctx.side_cache() if ctx.side_cache is not None else target.new_cache()
+        try:
+            out = target.forward(ctx.token_ids[:-1], cache, num_logits=1, hidden_layers=self.auto.target_hidden_layers)
+        finally:
+            cache.release()
         self._hidden = {layer: [out.hidden_states[layer]] for layer in self._hidden}
         self._gap = False
 
