@@ -54,7 +54,7 @@ def request(url: str, model: str, kind: str, prompt: str, max_tokens: int, seed:
     elif kind == "json":
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
     elif kind == "regex":
-        body["response_format"] = {"type": "regex", "regex": "[A-Z][a-z ]{0,60}\\."}
+        body["response_format"] = {"type": "regex", "pattern": "[A-Z][a-z ]{0,60}\\."}
     elif kind == "tools":
         endpoint = "/v1/chat/completions"
         body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,

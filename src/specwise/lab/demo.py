@@ -26,6 +26,8 @@ def run_demo(target_name: str, max_new_tokens: int, device, progress) -> int:
     drafter ships for the target, interleaved after a warm-up; print text and stats."""
     console = Console()
     target = load_target(target_name, dtype="bfloat16", device=device, progress=progress)
+    if hasattr(target, "prefix_reuse"):  # every method pays each prompt's prefill: a fair race
+        target.prefix_reuse = False
     records = [r for r in load_prompts([builtin_prompt_file()]) if r.category in DEMO_CATEGORIES]
 
     # every method in listing order, the trained ones only where a drafter ships for the target

@@ -79,13 +79,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     target = load_target(args.target, dtype=args.dtype, device=args.device, progress=_progress, weights=args.weights,
                          engine=args.engine)
     others = {w: _other_target(args, w) for w in sorted({split_spec(s)[0].partition("@")[2] for s in specs} - {""})}
+    # the same cache state for every contender on every prompt: each pays its prompt's prefill, as the
+    # llama-server peers do (cache_prompt false); a prompt reused from the contender before it would
+    # tilt tok/s (prefill included) towards whoever runs second
+    for engine_target in (target, *others.values()):
+        if hasattr(engine_target, "prefix_reuse"):
+            engine_target.prefix_reuse = False
     server = Path(args.llama_server) if args.llama_server else None
     gguf = gguf_file(args.target) if server else None
     contenders = [parse_contender(target, spec, server, gguf, others) for spec in specs]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = Console()
-    extra = {"command": " ".join(["specwise", *sys.argv[1:]]), "machine": machine_info(target.device)}
+    extra = {"command": " ".join(["specwise", *sys.argv[1:]]), "machine": machine_info(target.device),
+             "cache_state": "no prompt prefix reused across contenders or prompts (specwise's prefix reuse off, "
+                            "llama-server's cache_prompt false): every contender pays every prompt's prefill"}
     if sweep:
         extra["sweep"] = sweep.to_config()
     with bench_progress(console, len(records) * len(contenders)) as on_progress:

@@ -56,6 +56,8 @@ def markdown_report(result: BenchResult, plots: Sequence[str | Path] = ()) -> st
                   ""]
     if "command" in c:
         lines += ["Command: `" + c["command"] + "`", ""]
+    if "cache_state" in c:
+        lines += [f"Cache state: {c['cache_state']}.", ""]
     for name, how in c.get("how_contenders_ran", {}).items():
         lines += [f"`{name}` ran as {how}", ""]
     if "machine" in c:
