@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -203,12 +204,18 @@ def test_a_side_cache_lies_in_its_generations_own_range(target):
 def small_server(tmp_path_factory):
     """The app over a tiny GGUF of 1,024 cells at the server's defaults (``--max-batch 8``, ``auto``
     offered), on uvicorn in this process."""
+    path = write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny-small.gguf", context=CONTEXT)
+    yield from serve_tiny(path)
+
+
+def serve_tiny(path):
+    """The app over the GGUF at ``path`` at the server's defaults, on uvicorn in this process:
+    yields ``(target, url, app)``; closes the worker at the end."""
     uvicorn = pytest.importorskip("uvicorn")
     httpx = pytest.importorskip("httpx")
     from serving import _free_port
     from specwise.serve.app import ServerConfig, create_app
 
-    path = write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny-small.gguf", context=CONTEXT)
     served = llamacpp.LlamaCppTarget(path, make_tokenizer(VOCAB), "tiny-small", threads=1)
     app = create_app(served, ServerConfig(model="tiny", methods=("auto", "ar", "pld"), default_method="auto",
                                           max_batch=8))
@@ -281,3 +288,46 @@ def test_the_servers_engine_faults_are_5xx_and_only_the_faulty_requests(small_se
     assert [replies[i].status_code for i in range(4)] == [200, 200, 200, 503]
     error = replies[3].json()["error"]
     assert error["type"] == "server_error" and "no room" in error["message"]
+
+
+def test_shutdown_ends_eight_batched_streams_before_it_returns(tmp_path):
+    """The engine is never freed under a running decode: closing the worker stops every running
+    generation at its next step and returns only when none runs; each stream ends with the
+    shutdown's error event and ``[DONE]``."""
+    import httpx
+
+    path = write_tiny_llama(tmp_path / "tiny-shutdown.gguf", context=16 * CONTEXT)
+    served_at = serve_tiny(path)
+    served, url, app = next(served_at)
+    decode_group = served._decode_group
+
+    def slow(group):  # a tiny model's step takes well under a millisecond: make the streams outlast the test
+        time.sleep(0.005)
+        return decode_group(group)
+
+    served._decode_group = slow
+    streams: dict[int, list[str]] = {}
+
+    def stream(i):
+        body = {"model": "tiny", "prompt": words(prompt(20, 50 + i)), "max_tokens": 1800, "stream": True,
+                "speculative": {"method": "ar"}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as reply:
+            streams[i] = [line for line in reply.iter_lines() if line.startswith("data: ")]
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while app.state.worker.running < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert app.state.worker.running == 8
+    started = time.monotonic()
+    app.state.worker.close()
+    assert app.state.worker.running == 0 and time.monotonic() - started < 20
+    for t in threads:
+        t.join(30)
+    assert len(streams) == 8
+    for lines in streams.values():
+        assert lines[-1] == "data: [DONE]" and "shutting down" in lines[-2]
+    next(served_at, None)  # stop uvicorn
+    assert served.free_generations == llamacpp.GENERATIONS
