@@ -175,3 +175,22 @@ def test_a_possible_stochastic_proposal_is_accepted():
     Proposal(torch.tensor([3, 5]), draft_probs=torch.stack([q, q]), parents=torch.tensor([0, 0]),
              sibling_rule="without_replacement")
     Proposal(torch.tensor([3, 3]), draft_probs=torch.stack([q, q]), parents=torch.tensor([0, 0]), sibling_rule="iid")
+
+
+def test_the_two_level_inverse_cdf_draws_what_one_cumulative_sum_draws():
+    """``sample_token``'s blockwise sums pick the token a single float64 cumulative sum picks, for
+    every uniform number tried, on peaked and flat rows and a vocabulary that is no multiple of a block."""
+    import numpy as np
+
+    from specwise.engine.sampling import CDF_BLOCK, _blockwise_inverse_cdf
+
+    rng = np.random.default_rng(0)
+    for size, scale in ((5 * CDF_BLOCK + 17, 1.0), (3 * CDF_BLOCK, 6.0), (2 * CDF_BLOCK + 1, 0.1)):
+        probs = np.exp(rng.normal(size=size) * scale).astype(np.float32)
+        probs[rng.integers(0, size, size // 10)] = 0.0  # tokens without mass are never drawn
+        cdf = np.cumsum(probs.astype(np.float64))
+        for u in np.concatenate([rng.random(2000), [0.0, 1 - 1e-16]]):
+            index, total = _blockwise_inverse_cdf(probs, float(u))
+            expected = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), size - 1)
+            assert probs[index] > 0 and abs(total - cdf[-1]) <= 1e-9 * cdf[-1]
+            assert index == expected or abs(cdf[index] - u * cdf[-1]) <= 1e-12 * cdf[-1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specwise.errors import ConfigError, SpecwiseError
@@ -185,15 +186,25 @@ def nucleus(scores: torch.Tensor, top_p: float, first_k: int = 1024) -> torch.Te
 
 
 def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax, or -1 where the row's largest score is not finite (NaN or inf).
+    """Each row's argmax (the first on a tie), or -1 where the row's largest score is not finite
+    (NaN or inf).
+
+    Float32 and float64 rows on the CPU are reduced by NumPy, whose argmax is many times faster
+    than torch's max-with-indices there for a large vocabulary (docs/notes/loop.md); both give the
+    first maximal index, and a NaN counts as the maximum.
 
     Args:
         scores: ``[N, V]`` float scores or raw logits.
 
     Returns:
-        ``[N]`` long; -1 marks a row no token may be chosen from (no host sync here: callers see it
-        when they read the tokens).
+        ``[N]`` long; -1 marks a row no token may be chosen from (no host sync on an accelerator:
+        callers see it when they read the tokens).
     """
+    if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64) and scores.dim() == 2:
+        values = scores.detach().numpy()
+        tokens = values.argmax(-1)
+        best = values[np.arange(values.shape[0]), tokens]
+        return torch.from_numpy(np.where(np.isfinite(best), tokens, -1).astype(np.int64))
     best, tokens = scores.max(dim=-1)
     return tokens.masked_fill_(~torch.isfinite(best), -1)
 
@@ -203,22 +214,58 @@ def probs_from_scores(scores: torch.Tensor) -> torch.Tensor:
     return torch.softmax(scores, dim=-1)
 
 
+#: tokens per block of :func:`sample_token`'s two-level cumulative sum
+CDF_BLOCK = 1024
+
+
 def sample_token(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """Draw one token id from a ``[V]`` probability vector (need not be normalised).
 
-    Inverse-CDF sampling: one float64 uniform number and a float64 cumulative sum. Exact up to
+    Inverse-CDF sampling: one float64 uniform number against float64 cumulative sums. Exact up to
     float64 rounding, never returns a zero-probability token, and faster on CPU than
-    ``torch.multinomial`` for a large vocabulary, which draws V random numbers (see
-    docs/notes/loop.md). The drawn index and the total mass reach the host in one transfer.
+    ``torch.multinomial`` for a large vocabulary, which draws V random numbers. The sums are taken
+    in two levels (blocks of :data:`CDF_BLOCK` tokens, then the tokens of the chosen block), since a
+    sequential cumulative sum over a large vocabulary costs far more than blockwise sums on CPU
+    (docs/notes/loop.md). The drawn index and the total mass reach the host in one transfer.
 
     Raises:
         NonFiniteDistributionError: ``probs`` holds NaN or inf, or has no mass (named by its dtype;
             callers that know the logits' dtype re-raise with it).
     """
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device)
+    if probs.device.type == "cpu" and probs.numel() > 2 * CDF_BLOCK:
+        values = probs.detach()
+        values = values if values.dtype in (torch.float32, torch.float64) else values.to(torch.float64)
+        return _checked(*_blockwise_inverse_cdf(values.numpy(), float(u)), probs.dtype)
     cdf = probs.to(torch.float64).cumsum(0)
-    u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
-    index = torch.searchsorted(cdf, u[None], right=True).clamp_(max=probs.numel() - 1)
+    index = torch.searchsorted(cdf, (u * cdf[-1])[None], right=True).clamp_(max=probs.numel() - 1)
     index, total = torch.cat([index.to(torch.float64), cdf[-1:]]).tolist()  # one sync
+    return _checked(int(index), total, probs.dtype)
+
+
+def _blockwise_inverse_cdf(values: np.ndarray, u: float) -> tuple[int, float]:
+    """``(index, total mass)``: the first token whose cumulative mass exceeds ``u`` × the total,
+    summed in float64 per block of :data:`CDF_BLOCK`, then within the chosen block."""
+    whole = values.size - values.size % CDF_BLOCK
+    sums = values[:whole].reshape(-1, CDF_BLOCK).sum(1, dtype=np.float64)
+    if whole < values.size:
+        sums = np.append(sums, values[whole:].sum(dtype=np.float64))
+    block_cdf = np.cumsum(sums)
+    total = float(block_cdf[-1])
     if not 0.0 < total < float("inf"):
-        raise NonFiniteDistributionError(probs.dtype)
-    return int(index)
+        return -1, total
+    mark = u * total
+    block = min(int(np.searchsorted(block_cdf, mark, side="right")), block_cdf.size - 1)
+    row = values[block * CDF_BLOCK: (block + 1) * CDF_BLOCK].astype(np.float64)
+    offset = int(np.searchsorted(np.cumsum(row), mark - (block_cdf[block - 1] if block else 0.0), side="right"))
+    if offset >= row.size:
+        # the block's own cumulative sum ended a rounding below its blockwise sum: its last token
+        # with mass (a token with none is never drawn; the block has some, as its sum passed ``mark``)
+        offset = int(np.flatnonzero(row > 0)[-1])
+    return block * CDF_BLOCK + offset, total
+
+
+def _checked(index: int, total: float, dtype: torch.dtype) -> int:
+    if not 0.0 < total < float("inf"):
+        raise NonFiniteDistributionError(dtype)
+    return index
