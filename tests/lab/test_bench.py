@@ -332,3 +332,35 @@ def test_the_peer_keeps_weight_repacking_where_its_build_left_the_amx_kernels_ou
     assert built_without_amx(binary)
     (tmp_path / "llama-server.build").write_text("llama.cpp 11434.0.0, cmake -DGGML_NATIVE=ON\n")
     assert not built_without_amx(binary)
+
+
+def test_sigterm_runs_the_clis_exit_handlers(tmp_path):
+    """A command stopped by SIGTERM exits through Python's exit handlers, where a benchmark stops its
+    llama-server peers (``LlamaServer.close`` is one): the default action would leave them running."""
+    import signal
+    import subprocess
+    import sys
+
+    marker = tmp_path / "closed"
+    script = (
+        "import atexit, sys, time, types\n"
+        "from specwise import cli\n"
+        "module = types.ModuleType('slow_command')\n"
+        "def wait(args):\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(60)\n"
+        "    return 0\n"
+        "module.add = lambda p, default: p.set_defaults(func=wait)\n"
+        "sys.modules['slow_command'] = module\n"
+        "cli.COMMANDS['slow'] = ('slow_command', 'add', None, 'waits')\n"
+        f"atexit.register(lambda: open({str(marker)!r}, 'w').write('peers stopped'))\n"
+        "sys.exit(cli.main(['slow']))\n")
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=30)
+    finally:
+        process.kill()
+    assert code == 128 + signal.SIGTERM
+    assert marker.read_text() == "peers stopped"

@@ -211,28 +211,15 @@ def small_server(tmp_path_factory):
 def serve_tiny(path):
     """The app over the GGUF at ``path`` at the server's defaults, on uvicorn in this process:
     yields ``(target, url, app)``; closes the worker at the end."""
-    uvicorn = pytest.importorskip("uvicorn")
-    httpx = pytest.importorskip("httpx")
-    from serving import _free_port
+    pytest.importorskip("uvicorn")
+    from serving import serve_in_process
     from specwise.serve.app import ServerConfig, create_app
 
     served = llamacpp.LlamaCppTarget(path, make_tokenizer(VOCAB), "tiny-small", threads=1)
     app = create_app(served, ServerConfig(model="tiny", methods=("auto", "ar", "pld"), default_method="auto",
                                           max_batch=8))
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(300):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            threading.Event().wait(0.1)
-    yield served, f"http://127.0.0.1:{port}", app
-    server.should_exit = True
-    thread.join(timeout=30)
-    app.state.worker.close()
+    for url in serve_in_process(app):
+        yield served, url, app
 
 
 def words(ids: list[int]) -> str:
@@ -306,6 +293,7 @@ def test_shutdown_ends_eight_batched_streams_before_it_returns(tmp_path):
         return decode_group(group)
 
     served._decode_group = slow
+    served.eos_token_ids = frozenset()  # no stream ends before the shutdown
     streams: dict[int, list[str]] = {}
 
     def stream(i):
@@ -331,3 +319,19 @@ def test_shutdown_ends_eight_batched_streams_before_it_returns(tmp_path):
         assert lines[-1] == "data: [DONE]" and "shutting down" in lines[-2]
     next(served_at, None)  # stop uvicorn
     assert served.free_generations == llamacpp.GENERATIONS
+
+
+def test_auto_remembers_no_speed_measured_beside_other_generations(target, monkeypatch):
+    """A step run in a batch takes the batch's time: auto's profile (the speeds it chooses by for
+    later texts, alone) keeps none of it."""
+    from specwise.methods.auto.drafter import AutoConfig, AutoDrafter
+    from specwise.methods.auto.profile import AutoProfile
+
+    profile = AutoProfile(None)
+    auto = AutoDrafter(target, AutoConfig(remember=False, probe_steps=4, decide_every=4), profile=profile)
+    monkeypatch.setattr(type(target), "batch_size", property(lambda self: 3))  # as if two others ran beside it
+    specwise.generate(target, prompt(30, 7), drafter=auto, max_new_tokens=60, ignore_eos=True)
+    assert all(e.steps == 0 for e in profile.estimates.values())
+    monkeypatch.undo()
+    specwise.generate(target, prompt(30, 7), drafter=auto, max_new_tokens=60, ignore_eos=True)
+    assert any(e.steps > 0 for e in profile.estimates.values())

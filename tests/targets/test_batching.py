@@ -343,29 +343,15 @@ def test_generate_many_refuses_bad_input_in_one_sentence(target):
 @pytest.fixture(scope="module")
 def batched_server(tmp_path_factory):
     """The app over a tiny GGUF with --max-batch 4, on uvicorn in this process (its own thread)."""
-    uvicorn = pytest.importorskip("uvicorn")
-    from serving import _free_port
+    pytest.importorskip("uvicorn")
+    from serving import serve_in_process
     from specwise.serve.app import ServerConfig, create_app
 
     path = write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny-served.gguf")
     target = llamacpp.LlamaCppTarget(path, make_tokenizer(VOCAB), "tiny-served", threads=1)
     app = create_app(target, ServerConfig(model="tiny", methods=("ar", "pld"), max_batch=4))
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    import httpx
-
-    for _ in range(200):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            threading.Event().wait(0.1)
-    yield target, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=30)
-    app.state.worker.close()
+    for url in serve_in_process(app):
+        yield target, url
 
 
 def test_concurrent_requests_to_a_batching_server_get_their_own_text(batched_server):

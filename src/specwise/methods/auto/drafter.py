@@ -244,6 +244,7 @@ class AutoRun:
         self.active: str | None = None  # the running candidate's spec
         self.state = None  # ... and its state
         self._mode = "greedy"
+        self._loaded = False
         self._hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in auto.target_hidden_layers}
         self._gap = False  # a step ran without the taps: the kept hidden states miss positions
         self._step_start: float | None = None
@@ -337,17 +338,23 @@ class AutoRun:
         one-time costs. What it took beyond the candidate's usual step counts as rebuilding."""
         self._first_step = False
         usual = self.profile.get(self._mode, self.active)
-        if self._rebuild_s is not None and usual.steps:
+        if self._rebuild_s is not None and usual.steps and getattr(self.auto.target, "batch_size", 0) <= 1:
             extra = self._rebuild_s + max(0.0, seconds - usual.seconds)
             with self.auto.lock:
                 self.profile.get("rebuild", self.active).update(ctx.token_ids.numel(), extra, 1, MEMORY)
 
     def _measure(self, tokens: int, seconds: float) -> None:
-        """One verified step of the running candidate, into the segment."""
+        """One verified step of the running candidate, into the segment. A step run in a batch beside
+        other generations takes the batch's time, not the candidate's own: such a segment still
+        guides this text but is never remembered (the profile holds speeds measured alone)."""
         self._segment.add(tokens, seconds)
+        self._loaded = self._loaded or getattr(self.auto.target, "batch_size", 0) > 1
 
     def _remember(self, segment: Segment) -> None:
-        """Put the running candidate's ``segment`` into the profile (and save it)."""
+        """Put the running candidate's ``segment`` into the profile (and save it), unless a step of it
+        ran in a batch (:meth:`_measure`)."""
+        if self._loaded:
+            return
         measured = segment.estimate()
         self.profile.get(self._mode, self.active).update(measured.tokens, measured.seconds, measured.steps, MEMORY,
                                                          measured.squares, new_text=self.active not in self._counted)
@@ -426,6 +433,7 @@ class AutoRun:
         probe = self._probe_length(spec)
         self._probe = probe > 0
         self._segment, self._segment_length = Segment(), probe or self.config.decide_every
+        self._loaded = False  # whether a step of the segment ran beside other generations (see _measure)
 
     def _switch(self, spec: str, ctx: DraftContext) -> None:
         """Make ``spec`` the running candidate, its state rebuilt from the committed context."""

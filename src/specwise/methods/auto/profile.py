@@ -27,8 +27,8 @@ MEMORY = 0.1
 
 #: the file's layout and the revision of the methods' defaults its speeds were measured with; a file
 #: of another one is measured afresh rather than misread (4: prompt lookup's suffix lengths when
-#: sampling, the tree budgets on llama.cpp)
-VERSION = 4
+#: sampling, the tree budgets on llama.cpp; 5: no step run in a batch, whose time is the batch's)
+VERSION = 5
 
 
 @dataclass
