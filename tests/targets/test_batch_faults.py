@@ -68,6 +68,7 @@ def test_a_footprint_counts_the_prompt_the_new_tokens_one_step_and_side_forwards
     assert footprint(300, 300, 1024) == Need(600 + STEP_ALLOWANCE)
     assert footprint(1000, 24, 1024) == Need(1024)  # never more than the context
     assert footprint(300, 300, 4096, side_forwards=True) == Need(600 + STEP_ALLOWANCE + 600)
+    assert footprint(600, 300, 1024, side_forwards=True) == Need(1024)  # never refused for its side forwards
     assert cell_limit(1016, 8, 1024) == 1024
 
 

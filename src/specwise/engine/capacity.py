@@ -15,7 +15,10 @@ A generation's worst case (:func:`footprint`), in cells:
   to the room its generation has left (``room`` of :func:`specwise.engine.step.verify_proposal`),
   so near the end of its reservation a method drafts less, down to plain decoding;
 - a drafter that runs side forwards over the whole context (``Drafter.side_forwards``: ``auto``'s
-  recomputing of hidden states at a switch) holds the committed tokens twice while it does.
+  recomputing of hidden states at a switch) holds the committed tokens twice while it does; the
+  reservation never exceeds the pool, though, so such a request is never refused for it (a
+  generation longer than half the context may then find no room for a recomputation beside
+  others: a ``CapacityError``, 503, as before reservations).
 
 The pool's size is the target's ``max_context`` (llama.cpp sizes the unified cache to it). Sequences
 kept only for prefix reuse are not reserved: a decode that finds the pool full drops them first.
@@ -52,7 +55,7 @@ def footprint(prompt_tokens: int, max_new_tokens: int, max_context: int, side_fo
     """
     committed = prompt_tokens + max_new_tokens
     own = min(max_context, committed + STEP_ALLOWANCE)
-    return Need(own + (committed if side_forwards else 0))
+    return Need(min(max_context, own + committed) if side_forwards else own)
 
 
 def cell_limit(prompt_tokens: int, max_new_tokens: int, max_context: int) -> int:
