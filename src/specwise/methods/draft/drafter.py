@@ -235,6 +235,9 @@ class DraftModelDrafter(Drafter):
     def start(self, ctx: DraftContext) -> DraftModelState:
         return DraftModelState(self.step.new_cache())
 
+    def finish(self, state: DraftModelState) -> None:
+        state.cache.release()  # its room (a range of the draft's own context on llama.cpp) goes back now
+
     @torch.inference_mode()
     def propose(self, state: DraftModelState, ctx: DraftContext) -> Proposal:
         budget = min(self.config.num_draft_tokens, ctx.max_draft_tokens)
