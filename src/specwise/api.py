@@ -259,8 +259,7 @@ def generate(
             raise ConfigError("give drafter_path or a path as drafter, not both.")
         method_options["drafter_path"] = os.fspath(drafter)
         drafter = None
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
+    check_max_new_tokens(max_new_tokens)
     if (prompt is None) == (messages is None):
         raise PromptError("give either a prompt or chat messages, not both." if prompt is not None
                           else "give a prompt (text or token ids) or chat messages.")
@@ -272,11 +271,7 @@ def generate(
         prompt_ids = encode_prompt(target, prompt)
     if ignore_eos:
         eos_token_ids = frozenset()
-    if prompt_ids.numel() + max_new_tokens > target.max_context:
-        raise PromptError(
-            f"the prompt has {prompt_ids.numel()} tokens and {max_new_tokens} new tokens were asked for, "
-            f"but the target's context holds {target.max_context} tokens."
-        )
+    check_context(target, prompt_ids.numel(), max_new_tokens)
     if drafter is None:
         drafter = shared_drafter(target, method, **method_options)
     elif method_options:
@@ -430,6 +425,28 @@ def check_text(what: str, text: str, error: type[Exception] = PromptError) -> No
     except UnicodeEncodeError as exc:
         raise error(f"{what} is not valid UTF-8 text: it holds the lone surrogate U+{ord(text[exc.start]):04X} "
                     f"at character {exc.start} (invalid bytes in the input).") from None
+
+
+def check_max_new_tokens(max_new_tokens) -> None:
+    """Refuse a ``max_new_tokens`` that is not an integer >= 1.
+
+    Raises:
+        ConfigError: naming the value.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
+
+
+def check_context(target, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a prompt of ``prompt_tokens`` tokens plus ``max_new_tokens`` new ones beyond the
+    target's context.
+
+    Raises:
+        PromptError: naming both sizes and the context's.
+    """
+    if prompt_tokens + max_new_tokens > target.max_context:
+        raise PromptError(f"the prompt has {prompt_tokens} tokens and {max_new_tokens} new tokens were asked for, "
+                          f"but the target's context holds {target.max_context} tokens.")
 
 
 def encode_prompt(target, prompt) -> torch.Tensor:

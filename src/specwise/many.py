@@ -18,13 +18,13 @@ import queue
 import threading
 from typing import Any, Callable, Sequence
 
-from specwise.api import encode_prompt, generate, shared_drafter, tool_setup
+from specwise.api import check_context, check_max_new_tokens, encode_prompt, generate, shared_drafter, tool_setup
 from specwise.engine.capacity import footprint
 from specwise.engine.cost_model import VerifyCostTable
 from specwise.engine.load import BatchLoad
 from specwise.engine.timing import measure_forward_times, realistic_context
 from specwise.engine.types import GenerationResult
-from specwise.errors import CapacityError, ConfigError, PromptError, SpecwiseError
+from specwise.errors import CapacityError, ConfigError, SpecwiseError
 
 log = logging.getLogger("specwise.batch")
 
@@ -111,6 +111,7 @@ def _need(target, job: dict):
     prompt tokenized once here (a text prompt is passed on as ids); ``None`` without a shared pool.
 
     Raises:
+        ConfigError: a bad ``max_new_tokens``.
         PromptError: a prompt :func:`specwise.generate` would refuse.
         CapacityError: a job that could not fit in the pool even alone.
     """
@@ -125,11 +126,9 @@ def _need(target, job: dict):
                            job.get("response_format"), True, target)[0]
         prompt_tokens = target.encode_chat(job["messages"], tools).numel()
     new_tokens = job.get("max_new_tokens", _DEFAULT_NEW_TOKENS)
-    if isinstance(new_tokens, int) and prompt_tokens + new_tokens > target.max_context:
-        raise PromptError(f"the prompt has {prompt_tokens} tokens and {new_tokens} new tokens were asked for, "
-                          f"but the target's context holds {target.max_context} tokens.")
-    need = footprint(prompt_tokens, new_tokens if isinstance(new_tokens, int) else 1, target.max_context,
-                     bool(getattr(job["drafter"], "side_forwards", False)))
+    check_max_new_tokens(new_tokens)
+    check_context(target, prompt_tokens, new_tokens)
+    need = footprint(prompt_tokens, new_tokens, target.max_context, bool(getattr(job["drafter"], "side_forwards", False)))
     if not capacity.fits_alone(need):
         raise CapacityError(capacity.refusal(need))
     return need

@@ -15,7 +15,6 @@ The acceptance maths itself is pure and lives in :mod:`specwise.engine.verify` (
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -215,16 +214,10 @@ def verify_proposal(target, cache: TargetCache, context: torch.Tensor, proposal:
     """
     if room is not None:
         budget = max(0, min(budget, room - 1))
-        if proposal.auxiliary is not None and _tree_size(proposal, budget) + proposal.auxiliary.tokens.numel() > room:
-            proposal = dataclasses.replace(proposal, auxiliary=None)
     verify = _verify_plain_chain if _is_plain_chain(proposal) else _verify_as_tree
     return verify(target, cache, context, proposal, budget, sampling, generator, hidden_layers, grammar,
                   emitted_logits, room)
 
-
-def _tree_size(proposal: Proposal, budget: int) -> int:
-    """Nodes (the root included) of the proposal's tree pruned to ``budget``."""
-    return DraftTree.build(0, proposal.tokens, proposal.parents).pruned(budget).size
 
 
 def _is_plain_chain(proposal: Proposal) -> bool:
@@ -271,15 +264,18 @@ def _verify_as_tree(target, cache, context, proposal, budget, sampling, generato
     """
     start = cache.length
     tree = DraftTree.build(context[-1], proposal.tokens, proposal.parents).pruned(budget)
-    if room is not None and tree.size + (0 if proposal.auxiliary is None else proposal.auxiliary.tokens.numel()) > room:
-        tree = tree.keeping(torch.arange(tree.size, device=tree.tokens.device) < room)  # parents come first
+    auxiliary = proposal.auxiliary
+    if room is not None and tree.size + (0 if auxiliary is None else auxiliary.tokens.numel()) > room:
+        auxiliary = None  # the window is the drafter's own business: it goes first
+        if tree.size > room:
+            tree = tree.keeping(torch.arange(tree.size, device=tree.tokens.device) < room)  # parents come first
     node_masks = None
     if grammar is not None:
         tree, node_masks = _grammar_tree(tree, grammar, proposal, sampling)
     lazy = not proposal.acceptance.reads_every_node and target.computes_logits_from_hidden
     head_nodes = first_child_path(tree.children, 0) if lazy else list(range(tree.size))
     layers = tuple(dict.fromkeys(hidden_layers + ((target.final_layer,) if lazy else ())))
-    tokens, layout, logit_rows = _forward_inputs(tree, proposal.auxiliary, head_nodes, start, context.device)
+    tokens, layout, logit_rows = _forward_inputs(tree, auxiliary, head_nodes, start, context.device)
     result = target.forward(tokens, cache, logit_rows=logit_rows, hidden_layers=layers, layout=layout)
     h = len(head_nodes)
     logits = TreeLogits(head_nodes, result.logits[:h],
@@ -298,7 +294,7 @@ def _verify_as_tree(target, cache, context, proposal, budget, sampling, generato
         num_drafted=tree.size - 1,
         depth=int(tree.depth.max()),
         hidden_states={i: result.hidden_states[i][kept] for i in hidden_layers},
-        aux_logits=result.logits[h:] if proposal.auxiliary is not None else None,
+        aux_logits=result.logits[h:] if auxiliary is not None else None,
         emitted_logits=logits.rows(kept) if emitted_logits else None,
     )
 

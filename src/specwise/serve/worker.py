@@ -201,7 +201,7 @@ class GenerationWorker:
         self._changed = threading.Condition()
         self._closing = False
         self._running: set[Job] = set()
-        self.max_batch = self._batch_width(target, max_batch, methods)
+        self.max_batch = self._batch_width(target, max_batch)
         self._capacity = getattr(target, "capacity", None) if self.max_batch > 1 else None
         self._load = None
         self._drafters: dict[str, Any] = {}
@@ -227,7 +227,7 @@ class GenerationWorker:
             self._thread.start()
 
     @staticmethod
-    def _batch_width(target, max_batch: int, methods: list[str]) -> int:
+    def _batch_width(target, max_batch: int) -> int:
         if max_batch <= 1 or not batches_generations(target):
             if max_batch > 1:
                 log.info("the %s engine runs one generation at a time (--max-batch %d not used)",

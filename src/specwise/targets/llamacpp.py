@@ -200,7 +200,7 @@ class Taps:
             self._base = _ggml_base()
         self.wanted = wanted
         self.got = {layer: [] for layer in wanted.values()}
-        self.error: BaseException | None = None
+        self.error = None
 
     def _call(self, tensor, ask, user_data) -> bool:
         if not self.wanted:
