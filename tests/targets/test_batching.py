@@ -223,6 +223,22 @@ def alone(target, prompts, **kwargs):
     return [specwise.generate(target, p, **kwargs) for p in prompts]
 
 
+def assert_same_up_to_near_ties(target, prompts, many, truth, margin=1e-3):
+    """Each batched output is its prompt's own, or parts from it only where the target's top two
+    logits are within ``margin`` (F32 kernels of other shapes, a chunked prefill's among them, round
+    such a tie otherwise); the divergence is reported by the assertion if it is not such a tie."""
+    for prompt, got, want in zip(prompts, many, truth):
+        got, want = got.token_ids, want.token_ids
+        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if first is None:
+            assert len(got) == len(want)
+            continue
+        logits = target.forward(torch.tensor(list(prompt) + want[:first]), target.new_cache(), num_logits=1).logits[-1]
+        top = torch.topk(logits, 2)
+        assert {got[first], want[first]} == set(top.indices.tolist()), f"diverged at {first} off the top two"
+        assert float(top.values[0] - top.values[1]) < margin, f"diverged at {first} on a clear choice"
+
+
 @pytest.mark.parametrize("method", ["ar", "pld", "lookahead"])
 def test_a_batch_gives_each_prompt_its_own_greedy_tokens(target, method):
     kwargs = dict(method=method, max_new_tokens=36)
@@ -296,7 +312,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(target):
     long_prompt = (BASE * 20)[: llamacpp.PREFILL_CHUNK * 2 + 17]
     prompts = [PROMPTS[0], long_prompt, PROMPTS[2]]
     many = specwise.generate_many(target, prompts, method="pld", max_new_tokens=24)
-    assert [r.token_ids for r in many] == [r.token_ids for r in alone(target, prompts, method="pld", max_new_tokens=24)]
+    # the long prompt continues at a near-tie on the tiny Gemma-3 (its top two 1e-4 apart): its
+    # chunks batched with the others' steps may round it the other way
+    assert_same_up_to_near_ties(target, prompts, many, alone(target, prompts, method="pld", max_new_tokens=24))
 
 
 def test_a_sampled_request_among_others_keeps_its_distribution(target):
