@@ -151,6 +151,17 @@ def make_target(arch: str = "llama", seed: int = 0, *, eos: Sequence[int] | None
     return target
 
 
+@pytest.fixture(autouse=True)
+def _fixed_draft_budgets(monkeypatch):
+    """The suite checks the verification of what drafters propose, so a generation verifies its
+    drafter's whole proposal unless a test asks for ``draft_budget="measured"`` (the library's
+    default, whose cost model would hold a tiny random model's drafters at no drafts at all):
+    tests/engine/test_budgets.py checks the measured budgets themselves."""
+    from specwise import api
+
+    monkeypatch.setitem(api.generate.__kwdefaults__, "draft_budget", "fixed")
+
+
 @pytest.fixture(params=ARCHS)
 def tiny_target(request) -> Target:
     return make_target(request.param)

@@ -17,10 +17,11 @@ from specwise.drafters import METHODS, Drafter
 from specwise.drafters.base import check_engine, warn_renamed
 from specwise.drafters.checkpoint import is_checkpoint, read_config, shipped_drafter
 from specwise.engine.grammar import Grammar, GrammarCompiler, grammar_source
-from specwise.engine.load import LoadShare
+from specwise.engine.load import BatchLoad, LoadShare
 from specwise.engine.logprobs import MAX_TOP_LOGPROBS
 from specwise.engine.loop import speculative_generate
 from specwise.engine.sampling import SamplingConfig
+from specwise.engine.timing import verify_cost_table
 from specwise.engine.token_ids import check_token_ids
 from specwise.engine.types import GenerationResult
 from specwise.errors import ConfigError, DrafterError, PromptError
@@ -40,6 +41,8 @@ from specwise.targets.tool_calls import (
 KEPT_DRAFTERS = 8
 #: compiled grammars :func:`compile_response_format` keeps per target (least recently used dropped)
 KEPT_GRAMMARS = 32
+#: how :func:`generate` sizes each step's drafts (``draft_budget``)
+DRAFT_BUDGETS = ("measured", "fixed")
 
 
 def build_drafter(target, method: str, **options: Any) -> Drafter:
@@ -156,6 +159,7 @@ def generate(
     response_format: Mapping[str, Any] | None = None,
     logprobs: int | None = None,
     load: LoadShare | None = None,
+    draft_budget: str = "measured",
     **method_options: Any,
 ) -> GenerationResult:
     """Generate text with lossless speculative decoding.
@@ -220,6 +224,11 @@ def generate(
         load: this generation's seat in a batch of generations (:func:`specwise.many.generate_many`
             and the server hand one out): its draft budget per step follows the batch's load rule
             (:mod:`specwise.engine.load`); the output is the same.
+        draft_budget: without ``load``, how many drafts each step verifies: ``"measured"`` (the
+            default) sizes them by the cost model of :mod:`specwise.engine.load` as a batch of one
+            (the target's v(n) measured once per target object, this generation's acceptance and
+            drafting time measured as it runs, down to none); ``"fixed"`` verifies what the
+            method's own options propose. The output is the same either way.
         **method_options: the method's options, e.g. ``num_draft_tokens=8``, ``drafter_path=PATH``.
 
     Returns:
@@ -260,6 +269,8 @@ def generate(
         method_options["drafter_path"] = os.fspath(drafter)
         drafter = None
     check_max_new_tokens(max_new_tokens)
+    if draft_budget not in DRAFT_BUDGETS:
+        raise ConfigError(f"draft_budget is one of {', '.join(map(repr, DRAFT_BUDGETS))}, got {draft_budget!r}.")
     if (prompt is None) == (messages is None):
         raise PromptError("give either a prompt or chat messages, not both." if prompt is not None
                           else "give a prompt (text or token ids) or chat messages.")
@@ -292,11 +303,18 @@ def generate(
     if prediction is not None:
         running = PredictionDrafter(drafter, prediction_ids(target, prediction),
                                     torch.tensor(sorted(target.eos_token_ids), dtype=torch.long))
-    result = speculative_generate(
-        target, running, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-        generator=generator, stop_strings=stop, streamer=streamer, text_streamer=text_streamer,
-        eos_token_ids=eos_token_ids, include_stop=include_stop, grammar=grammar, logprobs=logprobs, load=load,
-    )
+    own = load is None and draft_budget == "measured" and getattr(running, "method", None) != "ar"
+    if own:  # a batch of one: the same cost model sizes a lone generation's drafts
+        load = BatchLoad(verify_cost_table(target), batch_size=lambda: 1).join()
+    try:
+        result = speculative_generate(
+            target, running, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+            generator=generator, stop_strings=stop, streamer=streamer, text_streamer=text_streamer,
+            eos_token_ids=eos_token_ids, include_stop=include_stop, grammar=grammar, logprobs=logprobs, load=load,
+        )
+    finally:
+        if own:
+            load.leave()
     if prediction is not None:
         result.stats.prediction_accepted_tokens = running.accepted_tokens
         result.stats.prediction_rejected_tokens = running.rejected_tokens

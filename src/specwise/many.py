@@ -20,9 +20,8 @@ from typing import Any, Callable, Sequence
 
 from specwise.api import check_context, check_max_new_tokens, encode_prompt, generate, shared_drafter, tool_setup
 from specwise.engine.capacity import footprint
-from specwise.engine.cost_model import VerifyCostTable
 from specwise.engine.load import BatchLoad
-from specwise.engine.timing import measure_forward_times, realistic_context
+from specwise.engine.timing import verify_cost_table
 from specwise.engine.types import GenerationResult
 from specwise.errors import CapacityError, ConfigError, SpecwiseError
 
@@ -30,8 +29,6 @@ log = logging.getLogger("specwise.batch")
 
 #: the most generations :func:`generate_many` runs at once by default
 DEFAULT_MAX_BATCH = 8
-#: token counts at which a batching target's v(n) is measured for the load rule
-LOAD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: generate's own keyword arguments (the rest are the method's options)
 _GENERATE_ARGS = frozenset(inspect.signature(generate).parameters) - {"method_options"}
 #: generate's default ``max_new_tokens``
@@ -45,20 +42,12 @@ def batches_generations(target) -> bool:
 
 def batch_load(target, on_decision: Callable[[int, int], None] | None = None) -> BatchLoad:
     """The load rule for batches on ``target``, from its v(n) measured once per target object
-    (a causal forward of n tokens, n in :data:`LOAD_SIZES`, a few repeats; kept on the target).
+    (:func:`specwise.engine.timing.verify_cost_table`).
 
     Args:
         on_decision: called with ``(batch size, cap)`` at each capped step (the server's metrics).
     """
-    cost = target.__dict__.get("_batch_verify_cost")
-    if cost is None:
-        sizes = [n for n in LOAD_SIZES if n <= getattr(target, "max_context", 1 << 30) // 2]
-        context = realistic_context(target, max(sizes))
-        times = measure_forward_times(target, context, sizes, repeats=2)
-        cost = VerifyCostTable(tuple(sizes), tuple(t / times[0] for t in times))
-        target.__dict__["_batch_verify_cost"] = cost
-        log.info("v(n) on %s for batches: %s", getattr(target, "name", "the target"),
-                 ", ".join(f"{n}: {v:.2f}" for n, v in zip(cost.num_tokens, cost.relative_cost)))
+    cost = verify_cost_table(target)
     return BatchLoad(cost, batch_size=lambda: target.batch_size, on_decision=on_decision)
 
 

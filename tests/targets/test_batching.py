@@ -111,19 +111,19 @@ def test_a_generation_held_at_no_drafts_drafts_a_little_now_and_then():
     assert set(budgets) == {0, EXPLORE[1]}
 
 
-def test_a_lone_generation_is_never_capped():
-    load = BatchLoad(VerifyCostTable((1, 64), (1.0, 64.0)))  # compute-bound: drafts never pay in a batch
+def test_a_generation_alone_in_its_batch_is_a_batch_of_one():
+    load = BatchLoad(VerifyCostTable((1, 64), (1.0, 64.0)))  # compute-bound: drafts never pay
     share = load.join()
-    assert share.budget(40) == 40 and not share.budgets
+    assert share.budget(40) == 0 and share.budgets == [0]  # alone: the same rule, m = 1
     other = load.join()
-    assert share.budget(40) == 0 and share.budgets == [0]  # plain batched decoding
+    assert share.budget(40) == 0 and share.budgets == [0, 0]  # plain batched decoding
     other.leave()
-    assert share.budget(40) == 40
     free = BatchLoad(VerifyCostTable((1, 64), (1.0, 1.0)))  # free verification: likely drafts pay
     a = free.join()
-    free.join()  # a second generation in the batch
     for _ in range(5):
         a.record(4, 4, [1, 2, 3, 4], [1, 2, 3, 4, 5])
+    assert a.budget(40) >= 8  # alone
+    free.join()  # a second generation in the batch
     assert a.budget(40) >= 8
 
 

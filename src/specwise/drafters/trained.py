@@ -95,12 +95,14 @@ def check_placement(target, what: DrafterModule, weight: torch.Tensor) -> None:
 @dataclass
 class TrainedState:
     """One generation's state of a trained drafter: the lookup graft's counts, the module's own state
-    (:meth:`TrainedDrafter.start_model`), the import canary, and whether this step is greedy."""
+    (:meth:`TrainedDrafter.start_model`), the import canary, whether this step is greedy and whether
+    it had a budget to draft (a step held at 0 drafts tells the canary nothing)."""
 
     lookup: LookupGraft
     model: Any
     canary: "ImportCanary | None" = None
     greedy: bool = False
+    drafting: bool = True
 
 
 class TrainedDrafter(Drafter):
@@ -148,12 +150,12 @@ class TrainedDrafter(Drafter):
         """Take in the step's committed tokens and target outputs."""
 
     def propose(self, state: TrainedState, ctx: DraftContext) -> Proposal:
-        state.greedy = ctx.sampling.is_greedy
+        state.greedy, state.drafting = ctx.sampling.is_greedy, ctx.max_draft_tokens > 0
         chain = state.lookup.lookup(ctx)
         return state.lookup.graft(self.draft(state, ctx, chain), chain)
 
     def observe(self, state: TrainedState, feedback: StepFeedback) -> None:
-        if state.canary is not None and state.greedy:
+        if state.canary is not None and state.greedy and state.drafting:
             state.canary.observe(feedback)
         state.lookup.observe(feedback)
         self.observe_model(state.model, feedback)

@@ -14,8 +14,15 @@ compute-bound machine gets ``D = 0``.
 
 ``alpha_i`` is each generation's measured acceptance (:class:`Acceptance`): drafts accepted against
 drafts rejected along the verified depth, with older steps decayed, so a generation whose text
-stops being predictable loses its share within a few steps. Drafting cost is not counted: the
-budget is a cap on what a drafter proposes, which drafters meet by proposing less.
+stops being predictable loses its share within a few steps. Under sampling it is the sampled
+acceptance (what rejection sampling kept), so at T > 0 the budget follows what drafts return there.
+
+A lone generation is the batch of one (``m = 1``): the same rule sizes its drafts. What drafting
+itself costs counts too: each generation's measured drafting time per step that drafts, beyond
+one that does not (:class:`DraftCost`, in one-token steps), is added once for a generation given
+any draft, so a drafter whose own forward costs more than its accepted drafts return is held at 0
+(its steps are then plain decoding's, drafter untouched). The budget is a cap on what a drafter
+proposes, which drafters meet by proposing less; verification is unchanged, so the output is too.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ EXPLORE = (16, 2)
 MAX_DRAFTS, MAX_STEP_TOKENS = 64, 512
 
 
-def draft_budgets(acceptance: Sequence[float], costs: np.ndarray, max_drafts: Sequence[int]) -> list[int]:
+def draft_budgets(acceptance: Sequence[float], costs: np.ndarray, max_drafts: Sequence[int],
+                  draft_costs: Sequence[float] | None = None) -> list[int]:
     """Draft tokens per generation for one batched step, maximizing expected tokens per second.
 
     Args:
@@ -48,6 +56,9 @@ def draft_budgets(acceptance: Sequence[float], costs: np.ndarray, max_drafts: Se
             steps (:func:`cost_table`); the batch never verifies more than N tokens.
         max_drafts: per generation, the most drafts it may verify (what its drafter and its
             remaining length allow), >= 0.
+        draft_costs: per generation, what drafting costs it in one-token steps, paid once when it
+            is given any draft (``None``: nothing). A fixed cost makes the best split a search
+            with no greedy guarantee; the drafts are still taken most likely first.
 
     Returns:
         ``k_i`` per generation, ``0 <= k_i <= max_drafts[i]``.
@@ -67,9 +78,32 @@ def draft_budgets(acceptance: Sequence[float], costs: np.ndarray, max_drafts: Se
     if m >= len(costs):
         raise ValueError(f"{m} generations, but v(n) is known up to n = {len(costs) - 1}")
     room = np.clip(np.asarray(max_drafts, dtype=np.int64), 0, None)
+    if int(room.max()) == 0:
+        return [0] * m
+    fixed = np.zeros(m) if draft_costs is None else np.asarray(draft_costs, dtype=np.float64)
+    budgets, rate = _split(alpha, room, costs, fixed)
+    # a generation whose drafting costs more than its drafts return is left out, one at a time while
+    # leaving one out raises the rate (the split above takes drafts most likely first, whatever they cost)
+    while True:
+        best = None
+        for i in np.flatnonzero((fixed > 0) & (room > 0)):
+            without = room.copy()
+            without[i] = 0
+            trial = _split(alpha, without, costs, fixed)
+            if trial[1] > rate * (1 + 1e-12) and (best is None or trial[1] > best[1][1]):
+                best = (without, trial)
+        if best is None:
+            return budgets
+        room, (budgets, rate) = best
+
+
+def _split(alpha: np.ndarray, room: np.ndarray, costs: np.ndarray, fixed: np.ndarray) -> tuple[list[int], float]:
+    """The best budgets and their rate (expected tokens per one-token step) for these rooms: the D
+    most likely drafts for the best total D, each generation's fixed cost paid with its first draft."""
+    m = len(alpha)
     depth = int(room.max())
     if depth == 0:
-        return [0] * m
+        return [0] * m, m / costs[m]
     # the k-th draft of generation i is accepted with probability alpha_i ** k (the chain model);
     # for any total D the best split takes the D most likely drafts, so sort them once
     gains = alpha[:, None] ** np.arange(1, depth + 1)[None, :]  # shape: [m, depth]
@@ -78,9 +112,15 @@ def draft_budgets(acceptance: Sequence[float], costs: np.ndarray, max_drafts: Se
     order = np.argsort(-flat, kind="stable")
     order = order[flat[order] > 0][: len(costs) - 1 - m]
     expected = np.concatenate([[float(m)], m + np.cumsum(flat[order])])  # shape: [D + 1], D = 0 first
-    rates = expected / costs[m: m + len(order) + 1]
+    spent = costs[m: m + len(order) + 1].copy()
+    owner = order // depth
+    firsts = np.unique(owner, return_index=True)[1]  # where each generation's first draft falls
+    paid = np.zeros(len(order))
+    paid[firsts] = fixed[owner[firsts]]
+    spent[1:] += np.cumsum(paid)
+    rates = expected / spent
     best = int(np.argmax(rates))  # the first maximum: fewer drafts on a tie
-    return np.bincount(order[:best] // depth, minlength=m).tolist()
+    return np.bincount(owner[:best], minlength=m).tolist(), float(rates[best])
 
 
 def cost_table(verify_cost: VerifyCostFn, max_tokens: int) -> np.ndarray:
@@ -112,19 +152,54 @@ class Acceptance:
         self.rejected = DECAY * self.rejected + (1.0 if accepted < depth else 0.0)
 
 
+@dataclass
+class DraftCost:
+    """What drafting costs one generation, measured over its steps (decayed like :class:`Acceptance`).
+
+    Attributes:
+        drafting: seconds a step that drafted spent in its drafter (``None`` until one did).
+        idle: seconds a step given no drafts spent there (a drafter that keeps up with the text).
+        step: seconds of a one-token target forward, from the verification times (``None`` until
+            one was measured): the unit of :attr:`steps`.
+    """
+
+    drafting: float | None = None
+    idle: float = 0.0
+    step: float | None = None
+
+    def record(self, drafted: bool, draft_s: float, verify_s: float, relative_cost: float) -> None:
+        """Count one step: whether it drafted, its drafting and verification seconds, and ``v(n)``
+        of the forward that verified it (so ``verify_s / relative_cost`` is a one-token step)."""
+        unit = verify_s / max(relative_cost, 1e-9)
+        self.step = unit if self.step is None else DECAY * self.step + (1 - DECAY) * unit
+        if drafted:
+            self.drafting = draft_s if self.drafting is None else DECAY * self.drafting + (1 - DECAY) * draft_s
+        else:
+            self.idle = DECAY * self.idle + (1 - DECAY) * draft_s
+
+    @property
+    def steps(self) -> float:
+        """The extra cost of a step that drafts, in one-token target steps (0 until measured)."""
+        if self.drafting is None or not self.step:
+            return 0.0
+        return max(0.0, self.drafting - self.idle) / self.step
+
+
 @dataclass(eq=False)
 class LoadShare:
     """One generation's seat in a :class:`BatchLoad`: what the loop asks for its draft budget and
-    tells after each step. A lone generation (or one whose batch has shrunk to itself) is not capped.
+    tells after each step (a lone generation's load is a batch of one).
 
     Attributes:
         load: the batch it belongs to.
         acceptance: its recent acceptance.
+        cost: what its drafting costs.
         budgets: the cap it was given, per capped step (for statistics and metrics).
     """
 
     load: "BatchLoad"
     acceptance: Acceptance = field(default_factory=Acceptance)
+    cost: DraftCost = field(default_factory=DraftCost)
     budgets: list[int] = field(default_factory=list)
     wanted: int = 0  # the most drafts its next step may verify (its drafter's room)
     idle: int = 0  # capped steps in a row at 0 drafts
@@ -133,31 +208,33 @@ class LoadShare:
     _shadow: tuple[int, int, list[int]] | None = None
 
     def budget(self, room: int) -> int:
-        """The drafts this generation may verify next step: at most ``room`` (its own limit).
-
-        Returns ``room`` unchanged when it runs alone in its batch."""
+        """The drafts this generation may verify next step: at most ``room`` (its own limit)."""
         cap = self.load.cap(self, room)
-        if cap is None:
-            return room
         self.idle = self.idle + 1 if cap == 0 else 0
         if self.idle >= EXPLORE[0]:  # a drafter drafts at most its budget: without this, no evidence
             self.idle, cap = 0, min(room, EXPLORE[1])
         self.budgets.append(cap)
         return cap
 
-    def record(self, depth: int, accepted: int, chain: list[int] | None = None, emitted: Sequence[int] = ()) -> None:
+    def record(self, depth: int, accepted: int, chain: list[int] | None = None, emitted: Sequence[int] = (),
+               timing: tuple[int, float, float] | None = None) -> None:
         """Tell the load what the last step verified (its depth) and accepted.
 
         Args:
             depth, accepted: the step's verified depth and accepted drafts.
             chain: the drafter's whole chain proposal before the budget cut it (``None``: a tree).
             emitted: the tokens the step emitted (the accepted drafts, then the next token).
+            timing: ``(drafts verified, drafting seconds, verification seconds)`` of the step, for
+                :class:`DraftCost`; ``None``: not measured.
 
         Drafts the budget cut are not lost as evidence: where every verified draft was accepted,
         the rest of the chain is compared with the tokens the target emits next (under greedy
         decoding exactly what verification would have found; sampling, an estimate), so a
         generation held at a small budget still shows how far its drafts would have gone.
         """
+        if timing is not None:
+            drafted, draft_s, verify_s = timing
+            self.cost.record(drafted > 0, draft_s, verify_s, self.load.relative_cost(drafted + 1))
         emitted = list(emitted)
         if self._shadow is not None:
             self._match(emitted)
@@ -213,17 +290,22 @@ class BatchLoad:
             if share in self._shares:
                 self._shares.remove(share)
 
-    def cap(self, share: LoadShare, room: int) -> int | None:
-        """``share``'s budget for its next step given every seat's acceptance and room, or ``None``
-        when it runs alone."""
+    def relative_cost(self, num_tokens: int) -> float:
+        """``v(n)``: a forward over ``num_tokens`` tokens in one-token steps."""
+        return float(self._costs[min(max(1, num_tokens), len(self._costs) - 1)])
+
+    def cap(self, share: LoadShare, room: int) -> int:
+        """``share``'s budget for its next step given every seat's acceptance, drafting cost and
+        room (alone in its batch, it is the batch of one)."""
         with self._lock:
             share.wanted = min(max(0, room), MAX_DRAFTS)
             shares = list(self._shares)
             size = len(shares) if self._batch_size is None else max(1, min(len(shares), self._batch_size()))
         if size <= 1:
-            return None
+            shares = [share]
         budgets = draft_budgets([s.acceptance.alpha for s in shares], self._costs,
-                                [s.wanted or share.wanted for s in shares])  # one not asked yet: as this one
+                                [s.wanted or share.wanted for s in shares],  # one not asked yet: as this one
+                                [s.cost.steps for s in shares])
         cap = min(room, budgets[shares.index(share)])
         if self._on_decision is not None:
             self._on_decision(len(shares), cap)

@@ -72,8 +72,9 @@ def speculative_generate(
             Drafts it refuses are never verified; tokens it forces are drafted as well.
         logprobs: ``None``, or return each new token's log-probability under the target with this
             many alternatives (0 .. 20; :mod:`specwise.engine.logprobs`) in ``logprobs``.
-        load: this generation's seat in a batch (:class:`specwise.engine.load.LoadShare`): each
-            step's draft budget is capped by the batch's load rule; ``None``: never capped.
+        load: this generation's seat in a batch, or a batch of one (:class:`specwise.engine.load.LoadShare`):
+            each step's draft budget is capped by the measured cost model; ``None``: each step drafts
+            what the drafter's own options allow.
 
     Returns:
         a :class:`GenerationResult`: ``text``, ``token_ids``, ``stats``, ``stop_reason``
@@ -108,7 +109,8 @@ def speculative_generate(
                 budget = _budget(max_new_tokens - len(output.tokens) - 1, load)
                 t0 = clock.now()
                 ctx = DraftContext(committed[:length], budget, sampling, generator, cache.length, side_cache=side)
-                proposal = _with_forced(drafter.propose(state, ctx), constraint)
+                proposal, budget = _with_forced(drafter.propose(state, ctx), constraint, budget,
+                                                max_new_tokens - len(output.tokens) - 1)
                 # 2.-4. verify in one target forward, accept, keep the accepted path in the cache
                 t1 = clock.now()
                 step = verify_proposal(target, cache, committed[:length], proposal, budget=budget, sampling=sampling,
@@ -160,17 +162,19 @@ def _started(drafter: Drafter, ctx: DraftContext):
         drafter.finish(state)
 
 
-def _with_forced(proposal: Proposal, constraint: GrammarState | None) -> Proposal:
+def _with_forced(proposal: Proposal, constraint: GrammarState | None, budget: int, room: int) -> tuple[Proposal, int]:
     """The proposal with the tokens the grammar forces next grafted on as one more chain (they are
-    deterministic drafts no drafter had to find); unchanged without a grammar, where nothing is
-    forced, or where the proposal carries auxiliary tokens, which cannot be merged."""
+    deterministic drafts no drafter had to find), and the step's budget raised by their number
+    (within ``room``); unchanged without a grammar, where nothing is forced, or where the proposal
+    carries auxiliary tokens, which cannot be merged."""
     forced = [] if constraint is None else constraint.forced_tokens()
     if not forced or proposal.auxiliary is not None:
-        return proposal
+        return proposal, budget
     chain = torch.tensor(forced, dtype=torch.long, device=proposal.tokens.device)
+    budget = min(room, budget + len(forced))
     if proposal.tokens.numel() == 0:
-        return Proposal(chain, acceptance=proposal.acceptance)
-    return proposal.with_chain(chain)
+        return Proposal(chain, acceptance=proposal.acceptance), budget
+    return proposal.with_chain(chain), budget
 
 
 @dataclass
@@ -199,7 +203,7 @@ class _Commit:
 
 def _budget(room: int, load: LoadShare | None) -> int:
     """The drafts a step may verify: what is left of the length (the bonus token kept), capped by
-    the batch's load rule."""
+    the load's cost model."""
     return room if load is None else load.budget(room)
 
 
@@ -208,7 +212,8 @@ def _record_step(stats: SpecStats, step, method: str, draft_s: float, verify_s: 
     stats.record_step(step.num_drafted, len(step.accepted), depth=step.depth, method=method)
     if load is not None:
         chain = proposal.tokens.tolist() if proposal.parents is None else None
-        load.record(step.depth, len(step.accepted), chain, step.accepted + [step.next_token])
+        load.record(step.depth, len(step.accepted), chain, step.accepted + [step.next_token],
+                    (step.num_drafted, draft_s, verify_s))
         stats.draft_budgets = load.budgets
     stats.draft_time_s += draft_s
     stats.verify_time_s += verify_s

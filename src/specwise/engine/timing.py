@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import statistics
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -25,6 +27,11 @@ from specwise.engine.target import AttentionLayout
 from specwise.engine.tree import DraftTree
 from specwise.errors import ConfigError
 from specwise.prompts import default_prompt_records
+
+log = logging.getLogger("specwise.timing")
+
+#: token counts at which a target's v(n) is measured for the cost model (lone generations and batches)
+LOAD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 SCHEMA = "specwise.calibration/1"
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -198,4 +205,27 @@ def measure_forward_times(target, context_ids: torch.Tensor, sizes: Sequence[int
             cache.rollback(length)
             if round_index > 0:  # round 0 is the warm-up
                 times[n].append(elapsed)
+    cache.release()
     return [statistics.median(times[n]) for n in sizes]
+
+
+def verify_cost_table(target) -> VerifyCostTable:
+    """``v(n)`` of ``target`` on this machine, measured once per target object (a causal forward
+    of n tokens after a realistic context, n in :data:`LOAD_SIZES` up to half the context, two
+    repeats) and kept on it; threads asking at once wait for one measurement.
+
+    Returns:
+        the table of ``t(n) / t(1)`` (:class:`~specwise.engine.cost_model.VerifyCostTable`).
+    """
+    lock = target.__dict__.setdefault("_verify_cost_lock", threading.Lock())
+    with lock:
+        cost = target.__dict__.get("_batch_verify_cost")
+        if cost is None:
+            sizes = [n for n in LOAD_SIZES if n <= getattr(target, "max_context", 1 << 30) // 2]
+            context = realistic_context(target, max(sizes))
+            times = measure_forward_times(target, context, sizes, repeats=2)
+            cost = VerifyCostTable(tuple(sizes), tuple(t / times[0] for t in times))
+            target.__dict__["_batch_verify_cost"] = cost
+            log.info("v(n) on %s: %s", getattr(target, "name", "the target"),
+                     ", ".join(f"{n}: {v:.2f}" for n, v in zip(cost.num_tokens, cost.relative_cost)))
+    return cost

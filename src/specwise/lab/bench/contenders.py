@@ -43,17 +43,18 @@ class Contender:
 
 
 def specwise_contender(target, method: str, label: str | None = None, constrained: bool = True,
-                       **options: Any) -> Contender:
+                       draft_budget: str = "measured", **options: Any) -> Contender:
     """A specwise method with fixed options; its drafter is built once and reused. With
     ``constrained=False`` (``ar[constrained=false]``) it ignores the run's ``response_format``: the
-    unconstrained reference a constrained run's mask cost is measured against."""
+    unconstrained reference a constrained run's mask cost is measured against. ``draft_budget``
+    is :func:`specwise.generate`'s (``eagle[draft_budget=fixed]``: the method's own draft sizes)."""
 
     drafter = build_drafter(target, method, **options)
 
     def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, response_format=None, **sampling):
         result = generate(target, prompt_ids, drafter=drafter, max_new_tokens=max_new_tokens,
                           temperature=temperature, seed=seed, response_format=response_format if constrained else None,
-                          **sampling)
+                          draft_budget=draft_budget, **sampling)
         return Outcome(result.token_ids, result.stats.wall_time_s, result.stats)
 
     return Contender(label or method, run)

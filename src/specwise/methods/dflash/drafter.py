@@ -200,10 +200,10 @@ class DFlashDrafter(TrainedDrafter):
     def draft(self, state: TrainedState, ctx: DraftContext, lookup: torch.Tensor | None) -> Proposal:
         """The block's chain or tree (steps 1-4 of the module docstring; ``lookup`` is not used)."""
         caches = state.model.caches
-        self._catch_up(state.model)
         count = min(self.depth, ctx.max_draft_tokens)
-        if count <= 0:
+        if count <= 0:  # the committed context waits for the next step that drafts (one batched catch-up)
             return Proposal.empty(ctx.token_ids.device)
+        self._catch_up(state.model)
         model, size = self.model, self.model.config.block_size
         length = caches[0].length  # = the root's position
         begin = max(0, length - model.config.attention_window)

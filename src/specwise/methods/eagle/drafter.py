@@ -224,11 +224,11 @@ class EagleDrafter(TrainedDrafter):
         temperature 1, as the dynamic tree scores) is expanded next. Expansion stops before a level
         whose parent scores below ``min_path_prob``; every drawn node is verified."""
         head, cfg = self.head, self.config
-        h = self._catch_up(state)  # shape: [H], the root's output
         depth = min(depth, ctx.max_draft_tokens)
         device = ctx.token_ids.device
-        if depth <= 0:
+        if depth <= 0:  # the committed entries wait for the next step that drafts (one batched catch-up)
             return Proposal.empty(device)
+        h = self._catch_up(state)  # shape: [H], the root's output
         width = max(1, min(cfg.tree_top_k, cfg.total_tokens // depth))
         cache = state.cache
         base = cache.length
@@ -268,11 +268,11 @@ class EagleDrafter(TrainedDrafter):
     def _draft_tree(self, state: EagleState, ctx: DraftContext, depth: int) -> Proposal:
         """The head's dynamic tree of at most ``depth`` levels (steps 1-3 of the module docstring)."""
         head, cfg = self.head, self.config
-        root_h = self._catch_up(state)
         depth = min(depth, ctx.max_draft_tokens)
         device = ctx.token_ids.device
-        if depth <= 0:
+        if depth <= 0:  # the committed entries wait for the next step that drafts (one batched catch-up)
             return Proposal.empty(device)
+        root_h = self._catch_up(state)
         k = cfg.tree_top_k
         cache = state.cache
         base = cache.length  # rotary position of a depth-1 node's entry; its scratch row

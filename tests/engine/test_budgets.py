@@ -1,0 +1,119 @@
+"""Each step's draft budget from the measured cost model (:mod:`specwise.engine.load`), alone and in a
+batch: the maths on its own (drafting cost counted, down to no drafts), and on tiny float64 models
+that whatever budgets it chooses, or however they change between steps, the tokens are the target's
+own under greedy decoding and distributed as the target's under sampling (chi-square).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import specwise
+from conftest import assert_distribution, make_target, reference_greedy
+from specwise.engine.cost_model import VerifyCostTable
+from specwise.engine.load import BatchLoad, DraftCost, cost_table, draft_budgets
+
+FLAT = VerifyCostTable((1, 64), (1.0, 1.0))  # verification is free: every likely draft pays
+STEEP = VerifyCostTable((1, 64), (1.0, 64.0))  # each verified row costs a whole step: no draft pays
+
+
+def test_a_drafter_that_costs_more_than_its_drafts_return_is_held_at_zero():
+    costs = cost_table(VerifyCostTable((1, 2, 64), (1.0, 1.1, 8.0)), 64)
+    assert draft_budgets([0.5], costs, [8]) != [0]  # a free drafter at alpha 0.5 pays on a flat v(2)
+    assert draft_budgets([0.5], costs, [8], [1.0]) == [0]  # a drafter costing a whole step does not
+    assert draft_budgets([0.9], costs, [8], [0.3])[0] > 0  # likely drafts still pay for a cheap one
+    # in a batch, only the expensive generation is held back
+    assert draft_budgets([0.9, 0.9], cost_table(FLAT, 64), [4, 4], [0.0, 50.0]) == [4, 0]
+
+
+def test_drafting_cost_is_measured_in_target_steps_beyond_a_step_without_drafts():
+    cost = DraftCost()
+    assert cost.steps == 0.0  # nothing measured: nothing charged
+    for _ in range(20):
+        cost.record(True, draft_s=0.004, verify_s=0.022, relative_cost=1.1)  # a step of 0.02 s
+        cost.record(False, draft_s=0.001, verify_s=0.020, relative_cost=1.0)
+    assert cost.steps == pytest.approx(0.15, abs=0.01)
+
+
+def test_a_lone_generation_is_the_batch_of_one():
+    steep = BatchLoad(STEEP, batch_size=lambda: 1).join()
+    assert [steep.budget(8) for _ in range(15)] == [0] * 15  # plain decoding ...
+    assert steep.budget(8) == 2  # ... with a small probe now and then, so acceptance is still seen
+    flat = BatchLoad(FLAT, batch_size=lambda: 1).join()
+    for _ in range(10):
+        flat.record(8, 8, None, [1] * 9)
+    assert flat.budget(8) == 8
+
+
+def _with_table(target, table: VerifyCostTable):
+    target.__dict__["_batch_verify_cost"] = table  # what verify_cost_table would have measured
+    return target
+
+
+@pytest.mark.parametrize("table", [FLAT, STEEP], ids=["flat", "steep"])
+@pytest.mark.parametrize("method", ["pld", "lookahead"])
+def test_measured_budgets_keep_the_greedy_tokens(method, table):
+    target = _with_table(make_target("llama", eos=()), table)
+    prompt = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 5, 6])
+    truth = reference_greedy(target.model, prompt, 40)
+    result = specwise.generate(target, prompt, method=method, max_new_tokens=40, draft_budget="measured")
+    assert result.token_ids == truth
+    if table is STEEP:  # no drafts pay: plain decoding but for the probes
+        assert result.stats.drafted_tokens <= 2 * (40 // 16 + 1)
+    assert result.stats.draft_budgets  # the cost model sized the steps
+
+
+def test_a_budget_of_zero_is_plain_decoding():
+    target = make_target("llama", eos=())
+    prompt = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5, 6])
+
+    class Never(BatchLoad):
+        def cap(self, share, room):
+            return 0
+
+    share = Never(STEEP).join()
+    share.idle = -10 ** 9  # never probe
+    pld = specwise.generate(target, prompt, method="pld", max_new_tokens=24, load=share)
+    ar = specwise.generate(target, prompt, method="ar", max_new_tokens=24)
+    assert pld.token_ids == ar.token_ids
+    assert pld.stats.drafted_tokens == 0 and pld.stats.target_forwards == ar.stats.target_forwards
+
+
+class _Alternating(BatchLoad):
+    """Budgets 0, 1, 2, 3, 0, 1, ...: a budget that changes every step."""
+
+    def __init__(self) -> None:
+        super().__init__(FLAT)
+        self.calls = 0
+
+    def cap(self, share, room):
+        self.calls += 1
+        return min(room, self.calls % 4)
+
+
+def test_a_budget_changing_every_step_keeps_the_greedy_tokens():
+    target = make_target("gemma3", eos=())
+    prompt = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 5, 6])
+    truth = reference_greedy(target.model, prompt, 32)
+    result = specwise.generate(target, prompt, method="pld", max_new_tokens=32, load=_Alternating().join())
+    assert result.token_ids == truth
+    assert set(result.stats.draft_budgets[:8]) == {0, 1, 2, 3}
+
+
+def test_a_budget_changing_every_step_keeps_the_sampled_distribution():
+    """20,000 draws of 3 new tokens at T = 1 with prompt lookup under budgets that change every step,
+    against the target's exact joint distribution."""
+    from test_sampling_e2e import PROMPT, V, exact_joint
+
+    target = make_target("llama", vocab_size=V, eos=())
+    truth = exact_joint(target.model, PROMPT, 3, temperature=1.0)
+    counts = np.zeros([V] * 3)
+    load = _Alternating()
+    for seed in range(20_000):
+        out = specwise.generate(target, PROMPT, method="pld", max_new_tokens=3, temperature=1.0, seed=seed,
+                                load=load.join())
+        counts[tuple(out.token_ids)] += 1
+    assert load.calls >= 20_000
+    assert_distribution(counts.ravel(), truth.ravel())
