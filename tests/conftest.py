@@ -479,19 +479,29 @@ def tree_depths(parents: Sequence[int]) -> list[int]:
     return depth
 
 
+def verified_nodes(parents: Sequence[int], budget: int) -> list[int]:
+    """The tree nodes (1-based) a step with this draft ``budget`` verifies: the first ``budget`` of
+    those at depth <= ``budget``, in proposal order (parents come first, so the set is a tree)."""
+    depth = tree_depths(list(parents))
+    return [i for i in range(1, len(depth)) if depth[i] <= budget][:budget]
+
+
 def greedy_tree_path(tokens: Sequence[int], parents: Sequence[int], truth: Sequence[int], max_depth: int) -> list[int]:
     """The node path (root excluded) a greedy tree verifier must accept, by the definition.
 
     From the root, repeatedly step to the first child (in proposal order) whose token is the
     target's token there; ``truth[d]`` is the target's token after the first ``d`` accepted
-    drafts. Nodes deeper than ``max_depth`` (the loop's budget) do not count.
+    drafts. Only the nodes the loop's budget ``max_depth`` verifies count: the first ``max_depth``
+    of those no deeper than it, in proposal order (:func:`verified_nodes`).
     """
     tokens, parents = list(tokens), list(parents)
     depth = tree_depths(parents)
+    verified = set(verified_nodes(parents, max_depth))
     path, node = [], 0
     while depth[node] < min(max_depth, len(truth)):
         want = truth[depth[node]]
-        node = next((i + 1 for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == want), -1)
+        node = next((i + 1 for i, (t, p) in enumerate(zip(tokens, parents))
+                     if p == node and t == want and i + 1 in verified), -1)
         if node < 0:
             break
         path.append(node)
@@ -667,7 +677,7 @@ def check_tree_loop_records(drafter: Recorder, prompt: Sequence[int], new_tokens
     """:func:`check_loop_records` for greedy decoding with tree proposals (EOS off).
 
     ``truth`` is the target's greedy continuation. At every step: the context and the cache length
-    handed to the drafter; the verified nodes are exactly those within the budget's depth; the
+    handed to the drafter; the verified nodes are exactly those the budget keeps (:func:`verified_nodes`); the
     accepted nodes are the greedy path by the definition (:func:`greedy_tree_path`) and
     ``accepted_nodes`` index the proposal's tokens that were committed; afterwards the KV cache holds
     every committed token but the root.
@@ -685,7 +695,7 @@ def check_tree_loop_records(drafter: Recorder, prompt: Sequence[int], new_tokens
         assert proposal.max_draft_tokens == budget, where
         parents = proposal.proposal.parents
         parents = list(range(len(proposal.proposed))) if parents is None else parents.tolist()
-        assert step.num_drafted == sum(1 for d in tree_depths(parents)[1:] if d <= budget), where
+        assert step.num_drafted == len(verified_nodes(parents, budget)), where
         path = greedy_tree_path(proposal.proposed, parents, truth[committed:], budget)
         assert step.num_accepted == len(path), where
         assert step.accepted_nodes == [node - 1 for node in path], where

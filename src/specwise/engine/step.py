@@ -193,7 +193,9 @@ def verify_proposal(target, cache: TargetCache, context: torch.Tensor, proposal:
         cache: the generation's KV cache, holding ``len(context) - 1`` positions.
         context: ``[T+1]`` long, committed tokens ending with the root.
         proposal: the drafter's proposal; chains are cut and trees pruned to ``budget``.
-        budget: at most this many drafts may be accepted (so the bonus token still fits).
+        budget: at most this many drafts are verified (a tree keeps its first ``budget`` nodes, in
+            the proposal's order, parents first), so at most this many are accepted and the bonus
+            token still fits; auxiliary tokens (a Lookahead window) are not drafts.
         sampling: the sampling options.
         generator: RNG for sampling.
         hidden_layers: the hidden-state layers to return for the kept positions.
@@ -264,6 +266,8 @@ def _verify_as_tree(target, cache, context, proposal, budget, sampling, generato
     """
     start = cache.length
     tree = DraftTree.build(context[-1], proposal.tokens, proposal.parents).pruned(budget)
+    if tree.size - 1 > budget:  # the budget counts verified drafts: the first nodes stay (parents come first)
+        tree = tree.keeping(torch.arange(tree.size, device=tree.tokens.device) <= budget)
     auxiliary = proposal.auxiliary
     if room is not None and tree.size + (0 if auxiliary is None else auxiliary.tokens.numel()) > room:
         auxiliary = None  # the window is the drafter's own business: it goes first

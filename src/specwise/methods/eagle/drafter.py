@@ -320,12 +320,14 @@ class EagleDrafter(TrainedDrafter):
             parent_row = best // k
             frontier = created + best
             frontier_h = out_h[parent_row]
-        return self._rerank(all_index, all_score, all_parent, min_score)
+        return self._rerank(all_index, all_score, all_parent, min_score, ctx.max_draft_tokens)
 
-    def _rerank(self, index: torch.Tensor, score: torch.Tensor, parent: torch.Tensor, min_score: float) -> Proposal:
-        """The ``total_tokens`` best nodes scoring at least ``min_score`` as a tree, in creation order
-        (:func:`best_nodes_tree`); an empty proposal when none does."""
-        chosen, parents = best_nodes_tree(score, parent, self.config.total_tokens, min_score)
+    def _rerank(self, index: torch.Tensor, score: torch.Tensor, parent: torch.Tensor, min_score: float,
+                budget: int) -> Proposal:
+        """The ``total_tokens`` best nodes (at most ``budget``, the step's) scoring at least
+        ``min_score`` as a tree, in creation order (:func:`best_nodes_tree`); an empty proposal when
+        none does."""
+        chosen, parents = best_nodes_tree(score, parent, min(self.config.total_tokens, budget), min_score)
         if chosen.numel() == 0:
             return Proposal.empty(index.device)
         return Proposal(self.head.vocab[index[chosen]], parents=parents)

@@ -224,7 +224,7 @@ class MedusaDrafter(TrainedDrafter):
         node_logp = (top_logits.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True))[
             self._depths - 1, self._ranks].clamp_max(0.0)  # shape: [N]
         path_logp = (self._ancestors * node_logp).sum(dim=-1)  # shape: [N]
-        chosen, parents = best_nodes_tree(path_logp, self._parents - 1, tokens.numel(),
+        chosen, parents = best_nodes_tree(path_logp, self._parents - 1, min(tokens.numel(), ctx.max_draft_tokens),
                                           log_threshold(self.config.min_path_prob))
         if chosen.numel() == 0:
             return Proposal.empty(tokens.device)
