@@ -39,8 +39,29 @@ def test_drafting_cost_is_measured_in_target_steps_beyond_a_step_without_drafts(
 
 def test_a_lone_generation_is_the_batch_of_one():
     steep = BatchLoad(STEEP, batch_size=lambda: 1).join()
+    steep.cost.record(True, draft_s=0.01, verify_s=0.02, relative_cost=1.0)  # drafting costs half a step
     assert [steep.budget(8) for _ in range(15)] == [0] * 15  # plain decoding ...
     assert steep.budget(8) == 2  # ... with a small probe now and then, so acceptance is still seen
+    cheap = BatchLoad(STEEP, batch_size=lambda: 1).join()
+    cheap.cost.record(True, draft_s=0.0001, verify_s=0.02, relative_cost=1.0)
+    assert [cheap.budget(8) for _ in range(20)] == [0] * 20 and cheap.shadowing  # drafts unverified instead
+    cheap.record(0, 0, [7, 8, 9], [7], method=None)  # a shadowed chain whose first draft came true ...
+    cheap.record(0, 0, None, [8])  # ... and its second
+    cheap.record(0, 0, None, [5])  # ... not its third
+    assert cheap.acceptance.alpha > 0.5
+
+
+def test_each_method_of_a_generation_keeps_its_own_acceptance():
+    share = BatchLoad(FLAT, batch_size=lambda: 1).join()
+    share.use("pld")
+    for _ in range(10):
+        share.record(8, 8, None, [1] * 9)
+    share.use("eagle")
+    for _ in range(10):
+        share.record(4, 0, None, [1])
+    assert share.acceptance.alpha < 0.2
+    share.use("pld")
+    assert share.acceptance.alpha > 0.8
     flat = BatchLoad(FLAT, batch_size=lambda: 1).join()
     for _ in range(10):
         flat.record(8, 8, None, [1] * 9)

@@ -106,6 +106,7 @@ def test_a_generation_held_at_no_drafts_drafts_a_little_now_and_then():
 
     load = BatchLoad(VerifyCostTable((1, 64), (1.0, 64.0)))  # compute-bound: the rule never gives drafts
     share, _other = load.join(), load.join()
+    share.cost.record(True, draft_s=0.01, verify_s=0.02, relative_cost=1.0)  # a drafter too dear to draft unverified
     budgets = [share.budget(40) for _ in range(2 * EXPLORE[0])]
     assert budgets.count(EXPLORE[1]) == 2 and budgets[EXPLORE[0] - 1] == EXPLORE[1]
     assert set(budgets) == {0, EXPLORE[1]}
@@ -233,7 +234,8 @@ def assert_same_up_to_near_ties(target, prompts, many, truth, margin=1e-3):
         if first is None:
             assert len(got) == len(want)
             continue
-        logits = target.forward(torch.tensor(list(prompt) + want[:first]), target.new_cache(), num_logits=1).logits[-1]
+        fresh = llamacpp.LlamaCppTarget(target.path, target.tokenizer, target.name, threads=1, prefix_reuse=False)
+        logits = fresh.forward(torch.tensor(list(prompt) + want[:first]), fresh.new_cache(), num_logits=1).logits[-1]
         top = torch.topk(logits, 2)
         assert {got[first], want[first]} == set(top.indices.tolist()), f"diverged at {first} off the top two"
         assert float(top.values[0] - top.values[1]) < margin, f"diverged at {first} on a clear choice"

@@ -42,6 +42,10 @@ PRIOR = (1.0, 1.0)
 #: a generation the rule has held at 0 drafts this many steps in a row drafts a little on the next,
 #: so its acceptance estimate (which only drafted steps move) can still rise: (steps, drafts)
 EXPLORE = (16, 2)
+#: a drafter whose drafting costs less than this share of a target step drafts on steps held at 0
+#: drafts too, unverified: its first path is compared with the tokens the target emits (evidence
+#: for free where a probe's verified rows are dear; a costlier drafter gets :data:`EXPLORE` probes)
+SHADOW_COST = 0.02
 #: the most drafts the rule gives one generation per step, and the most tokens one batched step verifies
 MAX_DRAFTS, MAX_STEP_TOKENS = 64, 512
 
@@ -178,6 +182,13 @@ class DraftCost:
             self.idle = DECAY * self.idle + (1 - DECAY) * draft_s
 
     @property
+    def cheap(self) -> bool:
+        """Whether a drafting step costs under :data:`SHADOW_COST` of a target step (yes until measured)."""
+        if self.drafting is None or not self.step:
+            return True
+        return self.drafting / self.step < SHADOW_COST
+
+    @property
     def steps(self) -> float:
         """The extra cost of a step that drafts, in one-token target steps (0 until measured)."""
         if self.drafting is None or not self.step:
@@ -192,49 +203,68 @@ class LoadShare:
 
     Attributes:
         load: the batch it belongs to.
-        acceptance: its recent acceptance.
-        cost: what its drafting costs.
+        acceptance: its recent acceptance, of the method drafting now.
+        cost: what that method's drafting costs.
         budgets: the cap it was given, per capped step (for statistics and metrics).
+        method: the method drafting now; a generation whose drafter changes method (``auto``)
+            keeps each one's acceptance and cost apart (:meth:`use`).
     """
 
     load: "BatchLoad"
     acceptance: Acceptance = field(default_factory=Acceptance)
     cost: DraftCost = field(default_factory=DraftCost)
     budgets: list[int] = field(default_factory=list)
+    method: str | None = None
+    _methods: dict = field(default_factory=dict, repr=False)  # method -> (Acceptance, DraftCost)
     wanted: int = 0  # the most drafts its next step may verify (its drafter's room)
     idle: int = 0  # capped steps in a row at 0 drafts
+    shadowing: bool = False  # the next step's drafts are proposed but not verified (:data:`SHADOW_COST`)
     # the drafts of a chain cut by the budget after its verified ones were all accepted, matched
     # against the tokens the target goes on to emit: (drafts verified, accepted, drafts not verified)
     _shadow: tuple[int, int, list[int]] | None = None
 
-    def budget(self, room: int) -> int:
-        """The drafts this generation may verify next step: at most ``room`` (its own limit)."""
+    def use(self, method: str | None) -> None:
+        """Make ``method``'s acceptance and cost the current ones (``None`` or the same: no change)."""
+        if method is None or method == self.method:
+            return
+        if self.method is not None:
+            self._methods[self.method] = (self.acceptance, self.cost)
+        self.acceptance, self.cost = self._methods.get(method, (Acceptance(), DraftCost()))
+        self.method, self._shadow, self.idle = method, None, 0
+
+    def budget(self, room: int, method: str | None = None) -> int:
+        """The drafts this generation may verify next step: at most ``room`` (its own limit), for
+        ``method`` (the one drafting now, :meth:`use`)."""
+        self.use(method)
         cap = self.load.cap(self, room)
-        self.idle = self.idle + 1 if cap == 0 else 0
+        self.shadowing = cap == 0 and room > 0 and self.cost.cheap
+        self.idle = self.idle + 1 if cap == 0 and not self.shadowing else 0
         if self.idle >= EXPLORE[0]:  # a drafter drafts at most its budget: without this, no evidence
             self.idle, cap = 0, min(room, EXPLORE[1])
         self.budgets.append(cap)
         return cap
 
     def record(self, depth: int, accepted: int, chain: list[int] | None = None, emitted: Sequence[int] = (),
-               timing: tuple[int, float, float] | None = None) -> None:
+               timing: tuple[int, int, float, float] | None = None, method: str | None = None) -> None:
         """Tell the load what the last step verified (its depth) and accepted.
 
         Args:
             depth, accepted: the step's verified depth and accepted drafts.
             chain: the drafter's whole chain proposal before the budget cut it (``None``: a tree).
             emitted: the tokens the step emitted (the accepted drafts, then the next token).
-            timing: ``(drafts verified, drafting seconds, verification seconds)`` of the step, for
-                :class:`DraftCost`; ``None``: not measured.
+            timing: ``(drafts proposed, drafts verified, drafting seconds, verification seconds)``
+                of the step, for :class:`DraftCost`; ``None``: not measured.
+            method: the method that drafted the step (:meth:`use`).
 
         Drafts the budget cut are not lost as evidence: where every verified draft was accepted,
         the rest of the chain is compared with the tokens the target emits next (under greedy
         decoding exactly what verification would have found; sampling, an estimate), so a
         generation held at a small budget still shows how far its drafts would have gone.
         """
+        self.use(method)
         if timing is not None:
-            drafted, draft_s, verify_s = timing
-            self.cost.record(drafted > 0, draft_s, verify_s, self.load.relative_cost(drafted + 1))
+            proposed, verified, draft_s, verify_s = timing
+            self.cost.record(proposed > 0, draft_s, verify_s, self.load.relative_cost(verified + 1))
         emitted = list(emitted)
         if self._shadow is not None:
             self._match(emitted)

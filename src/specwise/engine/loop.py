@@ -106,11 +106,11 @@ def speculative_generate(
                                             hidden_states)) as state:
             while output.stop_reason is None:
                 # 1. propose, leaving room for the bonus token
-                budget = _budget(max_new_tokens - len(output.tokens) - 1, load)
+                room = max_new_tokens - len(output.tokens) - 1
+                budget, asked = _budget(room, load, drafter.active_method(state))
                 t0 = clock.now()
-                ctx = DraftContext(committed[:length], budget, sampling, generator, cache.length, side_cache=side)
-                proposal, budget = _with_forced(drafter.propose(state, ctx), constraint, budget,
-                                                max_new_tokens - len(output.tokens) - 1)
+                ctx = DraftContext(committed[:length], asked, sampling, generator, cache.length, side_cache=side)
+                proposal, budget = _with_forced(drafter.propose(state, ctx), constraint, budget, room)
                 # 2.-4. verify in one target forward, accept, keep the accepted path in the cache
                 t1 = clock.now()
                 step = verify_proposal(target, cache, committed[:length], proposal, budget=budget, sampling=sampling,
@@ -119,8 +119,7 @@ def speculative_generate(
                                        room=cells - cache.length)
                 t2 = clock.now()
                 new = step.accepted + [step.next_token]
-                committed[length: length + len(new)] = torch.tensor(new, dtype=torch.long)
-                length += len(new)
+                committed[length: length + len(new)], length = torch.tensor(new, dtype=torch.long), length + len(new)
                 commit(new, step.emitted_logits)
                 _record_step(stats, step, drafter.active_method(state), t1 - t0, t2 - t1, load, proposal)
                 # 5. tell the drafter what was accepted
@@ -201,10 +200,14 @@ class _Commit:
         _stream(emitted, self.streamer)
 
 
-def _budget(room: int, load: LoadShare | None) -> int:
-    """The drafts a step may verify: what is left of the length (the bonus token kept), capped by
-    the load's cost model."""
-    return room if load is None else load.budget(room)
+def _budget(room: int, load: LoadShare | None, method: str) -> tuple[int, int]:
+    """``(drafts the step may verify, drafts the drafter is asked for)``: what is left of the length
+    (the bonus token kept), capped by the load's cost model; a cheap drafter held at 0 is still
+    asked, for the evidence its unverified drafts give (:data:`specwise.engine.load.SHADOW_COST`)."""
+    if load is None:
+        return room, room
+    cap = load.budget(room, method)
+    return cap, room if load.shadowing else cap
 
 
 def _record_step(stats: SpecStats, step, method: str, draft_s: float, verify_s: float,
@@ -212,11 +215,24 @@ def _record_step(stats: SpecStats, step, method: str, draft_s: float, verify_s: 
     stats.record_step(step.num_drafted, len(step.accepted), depth=step.depth, method=method)
     if load is not None:
         chain = proposal.tokens.tolist() if proposal.parents is None else None
+        if chain is None and step.num_drafted == 0:  # a tree not verified: its first path is the evidence
+            chain = _first_path(proposal)
         load.record(step.depth, len(step.accepted), chain, step.accepted + [step.next_token],
-                    (step.num_drafted, draft_s, verify_s))
+                    (proposal.tokens.numel(), step.num_drafted, draft_s, verify_s), method)
         stats.draft_budgets = load.budgets
     stats.draft_time_s += draft_s
     stats.verify_time_s += verify_s
+
+
+def _first_path(proposal: Proposal) -> list[int]:
+    """A tree proposal's tokens from the root down through first children (parents come first, so
+    one pass finds them)."""
+    path, node = [], 0
+    for i, parent in enumerate(proposal.parents.tolist()):
+        if parent == node:
+            path.append(int(proposal.tokens[i]))
+            node = i + 1
+    return path
 
 
 def _stream(emitted: list[int], streamer: Callable[[list[int]], None] | None) -> None:

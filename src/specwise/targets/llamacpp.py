@@ -527,6 +527,7 @@ class LlamaCppTarget:
                 out = self.forward(input_ids[reused:], cache, logit_rows=torch.tensor([r - reused for r in rows]))
                 return out
             if reused:  # rows inside the copied part were asked for: decode them after all
+                cache.length = reused
                 cache.rollback(0)
         start = cache.length
         if layout is None:
