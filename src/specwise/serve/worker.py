@@ -32,6 +32,7 @@ from specwise.api import build_drafter, generate, grammar_compiler, shared_draft
 from specwise.drafters import METHODS
 from specwise.engine.capacity import footprint
 from specwise.engine.grammar import GrammarError
+from specwise.engine.timing import verify_cost_table
 from specwise.errors import CapacityError, EngineError, SpecwiseError
 from specwise.many import batch_load, batches_generations
 from specwise.serve.protocol import ApiError
@@ -223,6 +224,8 @@ class GenerationWorker:
             log.warning("constrained output is not available on %s: %s", getattr(self.target, "name", "the target"), exc)
         if self.max_batch > 1:
             self._load = batch_load(self.target, on_decision=self.metrics.record_decision)
+        elif any(method != "ar" for method in self.methods):
+            verify_cost_table(self.target)  # the cost model's v(n): now, not inside the first request
         if thread:
             self._thread.start()
 
