@@ -305,7 +305,7 @@ def generate(
                                     torch.tensor(sorted(target.eos_token_ids), dtype=torch.long))
     own = load is None and draft_budget == "measured" and getattr(running, "method", None) != "ar"
     if own:  # a batch of one: the same cost model sizes a lone generation's drafts
-        load = BatchLoad(verify_cost_table(target), batch_size=lambda: 1).join()
+        load = BatchLoad(verify_cost_table(target)).join()
     try:
         result = speculative_generate(
             target, running, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,

@@ -13,7 +13,6 @@ distribution when sampling.
 from __future__ import annotations
 
 import inspect
-import logging
 import queue
 import threading
 from typing import Any, Callable, Sequence
@@ -24,8 +23,6 @@ from specwise.engine.load import BatchLoad
 from specwise.engine.timing import verify_cost_table
 from specwise.engine.types import GenerationResult
 from specwise.errors import CapacityError, ConfigError, SpecwiseError
-
-log = logging.getLogger("specwise.batch")
 
 #: the most generations :func:`generate_many` runs at once by default
 DEFAULT_MAX_BATCH = 8

@@ -265,8 +265,9 @@ def _verify_as_tree(target, cache, context, proposal, budget, sampling, generato
     the walk computes other nodes' rows when it reaches them (:mod:`specwise.engine.node_logits`).
     """
     start = cache.length
-    tree = DraftTree.build(context[-1], proposal.tokens, proposal.parents).pruned(budget)
-    if tree.size - 1 > budget:  # the budget counts verified drafts: the first nodes stay (parents come first)
+    tree = DraftTree.build(context[-1], proposal.tokens, proposal.parents)
+    if tree.size - 1 > budget:  # the budget counts verified drafts: the first nodes stay (parents come
+        # first, so none of them lies deeper than the budget either)
         tree = tree.keeping(torch.arange(tree.size, device=tree.tokens.device) <= budget)
     auxiliary = proposal.auxiliary
     if room is not None and tree.size + (0 if auxiliary is None else auxiliary.tokens.numel()) > room:
