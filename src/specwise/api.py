@@ -305,6 +305,8 @@ def generate(
                                     torch.tensor(sorted(target.eos_token_ids), dtype=torch.long))
     own = load is None and draft_budget == "measured" and getattr(running, "method", None) != "ar"
     if own:  # a batch of one: the same cost model sizes a lone generation's drafts
+        if hasattr(drafter, "calibrate"):  # auto measures its candidates once per regime, alone
+            drafter.calibrate(sampling)
         load = BatchLoad(verify_cost_table(target)).join()
     try:
         result = speculative_generate(

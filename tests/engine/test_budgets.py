@@ -9,11 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import specwise
 from conftest import assert_distribution, make_target, reference_greedy
 from specwise.engine.cost_model import VerifyCostTable
-from specwise.engine.load import BatchLoad, DraftCost, cost_table, draft_budgets
+from specwise.engine.load import BatchLoad, DraftCost, _split, cost_table, draft_budgets
 
 FLAT = VerifyCostTable((1, 64), (1.0, 1.0))  # verification is free: every likely draft pays
 STEEP = VerifyCostTable((1, 64), (1.0, 64.0))  # each verified row costs a whole step: no draft pays
@@ -138,3 +140,13 @@ def test_a_budget_changing_every_step_keeps_the_sampled_distribution():
         counts[tuple(out.token_ids)] += 1
     assert load.calls >= 20_000
     assert_distribution(counts.ravel(), truth.ravel())
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from([0.0, 1.0, 0.3, 0.55, 0.9]) | st.floats(0.0, 1.0), st.integers(0, 70),
+       st.sampled_from([0.0, 0.4]) | st.floats(0.0, 2.0), st.lists(st.floats(0.05, 4.0), min_size=6, max_size=6))
+def test_a_lone_generations_chain_is_what_the_batch_split_finds(alpha, room, fixed, steps):
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    costs = cost_table(VerifyCostTable(sizes, tuple(np.cumsum([1.0, *steps]))), 80)
+    split = _split(np.array([alpha]), np.array([room]), costs, np.array([fixed]))[0]
+    assert draft_budgets([alpha], costs, [room], [fixed]) == split

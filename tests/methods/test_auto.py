@@ -359,3 +359,39 @@ def test_the_default_candidates_come_from_the_registry(monkeypatch):
     monkeypatch.setitem(METHODS._specs, "hidden", MethodSpec("hidden", ar.config_cls, ar.factory, "test only",
                                                               auto_candidate=False))
     assert default_candidates()[:3] == ["ar", "pld", "echo"] and "hidden" not in default_candidates()
+
+
+def test_under_the_cost_model_prompt_lookup_stands_in_for_plain_decoding():
+    """Sized drafts: auto measures its candidates once on built-in texts (not plain decoding, which
+    the floor replaces), never runs ``ar``, and stays exact."""
+    target = make_target("llama", eos=())
+    prompt = repetitive_prompt(40)
+    reference = specwise.generate(target, prompt, method="ar", max_new_tokens=NEW)
+    auto = specwise.build_drafter(target, "auto", remember=False, decide_every=4)
+    assert auto.unmeasured("greedy") == ["pld", "lookahead"]
+    for _ in range(2):
+        result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW, draft_budget="measured")
+        assert result.token_ids == reference.token_ids
+        assert "ar" not in {m for m, _ in result.stats.method_steps}
+    assert auto.unmeasured("greedy") == [] and auto.calibrate(SamplingConfig()) == 0.0
+    assert auto.profile.get("greedy", "ar").steps == 0
+    assert auto.profile.get("greedy", "pld").texts >= PROBE_TEXTS
+
+
+def test_with_drafts_as_proposed_or_without_the_floor_plain_decoding_stays_a_candidate():
+    target, prompt, continuation = _setup()
+    clock = FakeClock()
+    never = RandomDrafter(target.vocab_size, 4, seed=1, avoid=continuation, prompt_length=prompt.numel())
+    for options in ({}, {"floor": "pld"}):  # "pld" is no candidate here
+        auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "never": Costly(never, clock, 1.2)}, clock, **options)
+        _measured(auto.profile, "ar", 1.0, 1.0, 20)
+        _measured(auto.profile, "never", 1.0, 1.2, 20)
+        for budget in ("fixed", "measured"):
+            result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW, draft_budget=budget)
+            assert result.token_ids == list(continuation)
+            assert "ar" in {m for m, _ in result.stats.method_steps}
+
+
+def test_a_bad_floor_is_one_clear_error():
+    with pytest.raises(ConfigError, match="floor must be a method spec"):
+        AutoConfig(floor="")

@@ -85,6 +85,8 @@ def draft_budgets(acceptance: Sequence[float], costs: np.ndarray, max_drafts: Se
     if int(room.max()) == 0:
         return [0] * m
     fixed = np.zeros(m) if draft_costs is None else np.asarray(draft_costs, dtype=np.float64)
+    if m == 1:  # a lone generation (every step of one): its chain length directly, no search
+        return [_chain(float(alpha[0]), int(room[0]), costs, float(fixed[0]))]
     budgets, rate = _split(alpha, room, costs, fixed)
     # a generation whose drafting costs more than its drafts return is left out, one at a time while
     # leaving one out raises the rate (the split above takes drafts most likely first, whatever they cost)
@@ -99,6 +101,18 @@ def draft_budgets(acceptance: Sequence[float], costs: np.ndarray, max_drafts: Se
         if best is None:
             return budgets
         room, (budgets, rate) = best
+
+
+def _chain(alpha: float, room: int, costs: np.ndarray, fixed: float) -> int:
+    """One generation's best number of drafts: what :func:`_split` finds for a batch of one (the
+    same sums in the same order, so the same ties), without its sort."""
+    depth = min(room, len(costs) - 2)
+    if depth <= 0 or alpha <= 0.0:
+        return 0
+    expected = 1.0 + np.concatenate([[0.0], np.cumsum(alpha ** np.arange(1, depth + 1))])  # shape: [depth + 1]
+    spent = costs[1: depth + 2].copy()
+    spent[1:] += fixed
+    return int(np.argmax(expected / spent))
 
 
 def _split(alpha: np.ndarray, room: np.ndarray, costs: np.ndarray, fixed: np.ndarray) -> tuple[list[int], float]:

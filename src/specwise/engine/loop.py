@@ -103,7 +103,7 @@ def speculative_generate(
         committed[length], length = first, length + 1
         commit([first], first_logits)
         with _started(drafter, DraftContext(committed[:length], 0, sampling, generator, cache.length,
-                                            hidden_states)) as state:
+                                            hidden_states, sized=load is not None)) as state:
             while output.stop_reason is None:
                 # 1. propose, leaving room for the bonus token
                 room = max_new_tokens - len(output.tokens) - 1

@@ -155,6 +155,9 @@ class DraftContext:
             the target (its range of sequence ids on llama.cpp) for a forward of the drafter's
             own between steps (a drafter with ``side_forwards``); release it before returning.
             ``None`` where the loop gives none (then ``target.new_cache()``).
+        sized: each step's draft budget comes from the measured cost model
+            (:mod:`specwise.engine.load`), which verifies no draft where drafts do not pay; ``False``:
+            each step verifies what the drafter proposes, up to ``max_draft_tokens``.
     """
 
     token_ids: torch.Tensor
@@ -164,6 +167,7 @@ class DraftContext:
     cache_length: int
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
     side_cache: Callable[[], Any] | None = None
+    sized: bool = False
 
 
 @dataclass(frozen=True)

@@ -137,11 +137,26 @@ def find_continuation(token_ids: torch.Tensor, num_tokens: int, max_ngram: int, 
     Returns:
         ``[1..num_tokens]`` long, or ``None`` when no suffix recurs.
     """
-    for n in range(min(max_ngram, token_ids.numel() - 1), min_ngram - 1, -1):
-        drafts = lookup_continuation(token_ids, n, num_tokens, latest)
-        if drafts is not None:
-            return cut_after_eos(drafts, eos_token_ids.to(token_ids.device))
-    return None
+    length = token_ids.numel()
+    high = min(max_ngram, length - 1)
+    if high < min_ngram:
+        return None
+    # one pass instead of one search per n: every earlier position holding the last token ends a
+    # match, whose length is how far back the tokens before it agree with the suffix's; the longest
+    # match wins, then the latest (or earliest) position among those that long
+    ends = (token_ids[: length - 1] == token_ids[-1]).nonzero().flatten()  # shape: [k]
+    if ends.numel() == 0:
+        return None
+    back = torch.arange(high, device=token_ids.device)
+    index = ends[:, None] - back  # shape: [k, high]
+    same = (index >= 0) & (token_ids[index.clamp(min=0)] == token_ids[length - 1 - back])
+    matched = same.int().cumprod(dim=1).sum(dim=1)  # shape: [k]
+    n = int(matched.max())
+    if n < min_ngram:
+        return None
+    at = ends[matched >= n]
+    start = int(at[-1] if latest else at[0]) + 1
+    return cut_after_eos(token_ids[start: start + num_tokens], eos_token_ids.to(token_ids.device))
 
 
 def cut_after_eos(tokens: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,13 @@ steps in the regime is run for that many first, and once more in a later generat
 (:data:`PROBE_TEXTS`), plain decoding last: with the profile, this happens on the first two
 requests per regime and machine.
 
+Where each step's drafts are sized by the measured cost model (``draft_budget="measured"``, the
+default, and every batch), plain decoding gives way to ``floor`` (prompt lookup by default): a
+drafter that costs almost nothing per step is held at 0 drafts by the cost model wherever its drafts
+do not pay, so it decodes as plainly as ``ar`` there and faster wherever it copies. A generation
+alone in a regime not measured yet first measures every candidate on a few built-in texts
+(:mod:`specwise.methods.auto.calibration`), so the first requests after install do not pay probes.
+
 Switching is exact: every candidate only proposes, and the verification decides (lossless for each,
 so for any sequence of them). The new candidate's state is rebuilt from the committed tokens and
 the target's hidden states at every committed position, which ``auto`` keeps for the union of its
@@ -48,6 +55,7 @@ from specwise.drafters.base import (
 from specwise.drafters.spec import split_spec, split_specs
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError, DrafterError
+from specwise.methods.auto.calibration import calibrate
 from specwise.methods.auto.profile import MEMORY, AutoProfile, Estimate, profile_path, regime
 from specwise.targets.loading import default_cache_dir
 
@@ -78,12 +86,17 @@ class AutoConfig(MethodConfig):
     probe_steps: int = 8  # steps a candidate without a measurement here runs before it is judged
     margin: float = 0.03  # switch only when the other method is predicted this much faster
     remember: bool = True  # keep the measurements in the cache (across requests and processes)
+    # where each step's drafts are sized by the measured cost model, the candidate that stands in for
+    # plain decoding (module docstring); "ar" or a candidate that is not built: plain decoding
+    floor: str = "pld"
 
     def __post_init__(self) -> None:
         check_int("decide_every", self.decide_every)
         check_int("probe_steps", self.probe_steps)
         check_probability("margin", self.margin, zero=True, one=False)
         check_flag("remember", self.remember)
+        if not isinstance(self.floor, str) or not self.floor:
+            raise ConfigError(f"floor must be a method spec, got {self.floor!r}.")
         if self.candidates is not None:
             specs = split_specs(self.candidates) if isinstance(self.candidates, str) else None
             if not specs:
@@ -211,6 +224,22 @@ class AutoDrafter(Drafter):
     def start(self, ctx: DraftContext) -> AutoRun:
         return AutoRun(self, ctx)
 
+    def unmeasured(self, mode: str) -> list[str]:
+        """The candidates whose profile in regime ``mode`` has fewer than ``probe_steps`` steps or
+        comes from fewer than :data:`PROBE_TEXTS` texts, in listing order; plain decoding only where
+        it is not replaced by the floor (it never runs then)."""
+        floored = self.config.floor in self.candidates
+        with self.lock:
+            return [spec for spec in self.candidates if not (floored and _plain(spec))
+                    and ((e := self.profile.get(mode, spec)).steps < self.config.probe_steps or e.texts < PROBE_TEXTS)]
+
+    def calibrate(self, sampling) -> float:
+        """Measure the candidates :meth:`unmeasured` lists in ``sampling``'s regime on built-in
+        texts, alone, with each step's drafts sized by the cost model (:func:`specwise.methods.auto.calibration.calibrate`); call it before a
+        generation alone, never inside a batch (the times would be the batch's). Returns the
+        seconds spent (0.0 when nothing was missing)."""
+        return calibrate(self, sampling)
+
     def step_hidden_layers(self, state: AutoRun) -> tuple[int, ...]:
         return state.step_hidden_layers()
 
@@ -260,23 +289,33 @@ class AutoRun:
         self._started: set[str] = set()  # candidates run in this generation
         self._counted: set[str] = set()  # ... whose steps here are in the profile (this text counted)
         self._mode = regime(ctx.sampling)
+        # under the cost model a cheap drafter held at 0 drafts is plain decoding wherever its drafts
+        # do not pay and more where they do, so it replaces plain decoding as a candidate: comparing
+        # the two by segments would leave the drafter for ar on a stretch without drafts, and miss
+        # the copies that follow
+        floor = self.config.floor if ctx.sized and self.config.floor in self.candidates else None
+        self._floor = floor
+        self._choosable = [spec for spec in self.candidates if floor is None or not _plain(spec)]
         # decisions in this generation compare this text with the texts before it: the segments
         # measured here go into the profile for later generations, not into the standard they are
         # judged against (a hard text lowers the running drafter's remembered speed segment by
         # segment, and against that moving standard drafters traded places on every decision)
         with auto.lock:
-            self._known = {spec: replace(self.profile.get(self._mode, spec)) for spec in self.candidates}
+            self._known = {spec: replace(self.profile.get(self._mode, spec)) for spec in self._choosable}
             choice = self._choose(None)
         self._keep_hidden(ctx.hidden_states)
         self._switch(choice, ctx)
 
     def finish(self) -> None:
         """Keep what the last segment measured (a generation that ends inside one: a request shorter
-        than a probe would otherwise leave every probe unfinished, and auto on its first candidate)."""
+        than a probe would otherwise leave every probe unfinished, and auto on its first candidate),
+        and save the profile (here, not at each decision: a step's drafting time includes what
+        ``auto`` does in :meth:`propose`, and the cost model would count a file write as drafting)."""
         if self.active is not None:
-            if self._segment.steps:
-                with self.auto.lock:
+            with self.auto.lock:
+                if self._segment.steps:
                     self._remember(self._segment)
+                self.profile.save()
             self.candidates[self.active].finish(self.state)
 
     def propose(self, ctx: DraftContext) -> Proposal:
@@ -359,7 +398,6 @@ class AutoRun:
         self.profile.get(self._mode, self.active).update(measured.tokens, measured.seconds, measured.steps, MEMORY,
                                                          measured.squares, new_text=self.active not in self._counted)
         self._counted.add(self.active)
-        self.profile.save()
         if self._probe:  # a probe here joins the standard (it is a measurement, not a drift)
             self._known[self.active] = replace(self.profile.get(self._mode, self.active))
 
@@ -384,8 +422,8 @@ class AutoRun:
         another beats that by ``margin`` with its rebuild counted.
         """
         cfg = self.config
-        live = {spec: self.profile.get(self._mode, spec) for spec in self.candidates}
-        for spec in sorted(live, key=_plain):
+        live = {spec: self.profile.get(self._mode, spec) for spec in self._choosable}
+        for spec in sorted(live, key=lambda spec: _plain(spec) or spec == self._floor):
             if self._probe_length(spec):
                 return spec
         # what was known before this generation and the probes run in it
@@ -408,6 +446,8 @@ class AutoRun:
         if measured:  # this text, at the upper end of the segment's scatter
             rates[current] = recent.rate + EVIDENCE * recent.rate_error
         best = max(rates, key=rates.__getitem__)
+        if current is None and self._floor is not None:  # leaving the floor must pay, from the start too
+            return best if (1.0 - cfg.margin) * rates[best] > rates[self._floor] else self._floor
         if current is None or best == current or rates[current] <= 0:
             return best
         tokens = cfg.decide_every * max(recent.tokens / recent.steps if recent.steps else 1.0, 1.0)
