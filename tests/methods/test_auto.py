@@ -395,3 +395,21 @@ def test_with_drafts_as_proposed_or_without_the_floor_plain_decoding_stays_a_can
 def test_a_bad_floor_is_one_clear_error():
     with pytest.raises(ConfigError, match="floor must be a method spec"):
         AutoConfig(floor="")
+
+
+def test_measuring_first_times_each_candidates_rebuild_and_stays_exact():
+    """The calibration also times a switch to each candidate (a forward for the taps, its state
+    started), so a generation's first switch is not taken as free; every run is exact."""
+    target, prompt, continuation = _setup()
+    eagle = EagleDrafter(target, EagleDrafterConfig(depth=3, tree_top_k=2, total_tokens=5, min_path_prob=0.0,
+                                                    lookup_tokens=0), head=make_head(target))
+    pld = PromptLookupDrafter(target, PromptLookupConfig())
+    auto = AutoDrafter(target, AutoConfig(remember=False, probe_steps=4), candidates={"ar": _ar(target), "pld": pld,
+                                                                                       "eagle": eagle},
+                       profile=AutoProfile(None))
+    assert auto.unmeasured("greedy") == ["pld", "eagle"]
+    assert auto.calibrate(SamplingConfig()) > 0.0
+    for spec in ("pld", "eagle"):
+        assert auto.profile.get("rebuild", spec).rate > 0 and auto.profile.get("greedy", spec).texts >= PROBE_TEXTS
+    result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW, draft_budget="measured")
+    assert result.token_ids == list(continuation)

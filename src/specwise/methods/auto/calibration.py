@@ -20,6 +20,7 @@ import torch
 from specwise.engine.load import BatchLoad
 from specwise.engine.loop import speculative_generate
 from specwise.engine.timing import verify_cost_table
+from specwise.engine.types import DraftContext
 from specwise.methods.auto.profile import MEMORY, regime
 from specwise.prompts import builtin_prompt_file, load_prompts
 
@@ -41,7 +42,8 @@ def calibrate(auto, sampling, seed: int = 0) -> float:
     """Measure every candidate ``auto.unmeasured`` lists for the regime, alone, on the built-in prompts
     :data:`PROMPT_IDS` (:data:`TOKENS` new tokens each, end-of-sequence ignored, ``sampling`` as the
     generation will use, each step's drafts sized by the cost model as a lone generation's are), and
-    put each text's tokens per step and seconds per step into the profile (saved).
+    put each text's tokens per step and seconds per step into the profile, with what switching
+    to the candidate after that text costs (:func:`_switch_seconds`); the profile is saved.
 
     Args:
         auto: the :class:`~specwise.methods.auto.drafter.AutoDrafter`.
@@ -64,7 +66,12 @@ def calibrate(auto, sampling, seed: int = 0) -> float:
         drafter = auto.candidates[spec]
         _decode(target, drafter, texts[0], WARM_UP_TOKENS, sampling, cost, seed)
         for ids in texts:
-            stats = _decode(target, drafter, ids, TOKENS, sampling, cost, seed).stats
+            result = _decode(target, drafter, ids, TOKENS, sampling, cost, seed)
+            context = torch.cat([ids, torch.tensor(result.token_ids, dtype=torch.long)])
+            seconds = _switch_seconds(auto, drafter, context, sampling)
+            with auto.lock:
+                auto.profile.get("rebuild", spec).update(context.numel(), seconds, 1, MEMORY)
+            stats = result.stats
             steps = stats.target_forwards - 1
             if steps <= 0:
                 continue
@@ -79,6 +86,27 @@ def calibrate(auto, sampling, seed: int = 0) -> float:
     spent = time.perf_counter() - start
     log.info("auto: measured in %.1f s", spent)
     return spent
+
+
+def _switch_seconds(auto, drafter, context: torch.Tensor, sampling) -> float:
+    """What switching to ``drafter`` after ``context`` (``[T]`` long) costs, as ``auto`` switches:
+    the hidden states of every committed position recomputed in one forward where the drafter
+    reads any, then the drafter's state started from them. Without this, the first switch of a
+    generation would take its rebuild as free."""
+    target = auto.target
+    start = time.perf_counter()
+    hidden = {}
+    if drafter.target_hidden_layers:
+        cache = target.new_cache()
+        try:
+            out = target.forward(context[:-1], cache, num_logits=1, hidden_layers=auto.target_hidden_layers)
+        finally:
+            cache.release()
+        hidden = {layer: out.hidden_states[layer] for layer in drafter.target_hidden_layers}
+    state = drafter.start(DraftContext(token_ids=context, max_draft_tokens=0, sampling=sampling, generator=None,
+                                       cache_length=context.numel() - 1, hidden_states=hidden))
+    drafter.finish(state)
+    return time.perf_counter() - start
 
 
 def _decode(target, drafter, ids: torch.Tensor, tokens: int, sampling, cost, seed: int):
