@@ -384,8 +384,9 @@ def test_with_drafts_as_proposed_or_without_the_floor_plain_decoding_stays_a_can
     never = RandomDrafter(target.vocab_size, 4, seed=1, avoid=continuation, prompt_length=prompt.numel())
     for options in ({}, {"floor": "pld"}):  # "pld" is no candidate here
         auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "never": Costly(never, clock, 1.2)}, clock, **options)
-        _measured(auto.profile, "ar", 1.0, 1.0, 20)
-        _measured(auto.profile, "never", 1.0, 1.2, 20)
+        for spec, seconds in (("ar", 1.0), ("never", 1.2)):
+            _measured(auto.profile, spec, 1.0, seconds, 20)
+            _calibrated(auto.profile, spec, 1.0, seconds)
         for budget in ("fixed", "measured"):
             result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW, draft_budget=budget)
             assert result.token_ids == list(continuation)
@@ -413,3 +414,29 @@ def test_measuring_first_times_each_candidates_rebuild_and_stays_exact():
         assert auto.profile.get("rebuild", spec).rate > 0 and auto.profile.get("greedy", spec).texts >= PROBE_TEXTS
     result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW, draft_budget="measured")
     assert result.token_ids == list(continuation)
+
+
+def _calibrated(profile: AutoProfile, spec: str, tokens: float, seconds: float) -> None:
+    """A first measurement on the built-in texts, as :func:`calibrate` leaves it."""
+    from specwise.methods.auto.profile import calibrated
+
+    profile.get(calibrated("greedy"), spec).update(tokens, seconds, 50, 1.0)
+    profile.get(calibrated("greedy"), spec).texts = PROBE_TEXTS
+
+
+@pytest.mark.parametrize("ratio, runs", [(1.5, "other"), (1.02, "pld")])
+def test_the_floor_is_left_only_for_a_candidate_faster_on_the_same_texts(ratio, runs):
+    """Remembered speeds come from different texts (the floor's from the long ones it ran on, here
+    slower): the choice compares the first measurement's, made on the same texts, by ``margin``."""
+    target, prompt, continuation = _setup()
+    clock = FakeClock()
+    other = RandomDrafter(target.vocab_size, 2, seed=1, avoid=continuation, prompt_length=prompt.numel())
+    pld = PromptLookupDrafter(target, PromptLookupConfig())
+    auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "pld": Costly(pld, clock, 1.0),
+                  "other": Costly(other, clock, 1.0)}, clock)
+    for spec in ("ar", "pld", "other"):
+        _measured(auto.profile, spec, 1.0, 2.0 if spec == "pld" else 1.0, 50)  # pld's from longer texts
+        _calibrated(auto.profile, spec, 1.0, 1.0 / ratio if spec == "other" else 1.0)
+    result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW, draft_budget="measured")
+    assert result.token_ids == list(continuation)
+    assert result.stats.method_steps[0][0] == runs

@@ -21,7 +21,7 @@ from specwise.engine.load import BatchLoad
 from specwise.engine.loop import speculative_generate
 from specwise.engine.timing import verify_cost_table
 from specwise.engine.types import DraftContext
-from specwise.methods.auto.profile import MEMORY, regime
+from specwise.methods.auto.profile import MEMORY, calibrated, regime
 from specwise.prompts import builtin_prompt_file, load_prompts
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,8 @@ def calibrate(auto, sampling, seed: int = 0) -> float:
     """Measure every candidate ``auto.unmeasured`` lists for the regime, alone, on the built-in prompts
     :data:`PROMPT_IDS` (:data:`TOKENS` new tokens each, end-of-sequence ignored, ``sampling`` as the
     generation will use, each step's drafts sized by the cost model as a lone generation's are), and
-    put each text's tokens per step and seconds per step into the profile, with what switching
+    put each text's tokens per step and seconds per step into the profile (the running estimates,
+    and apart, under :func:`~specwise.methods.auto.profile.calibrated`), with what switching
     to the candidate after that text costs (:func:`_switch_seconds`); the profile is saved.
 
     Args:
@@ -63,14 +64,13 @@ def calibrate(auto, sampling, seed: int = 0) -> float:
     log.info("auto: measuring %s on %d built-in texts (%s, once per machine)", ", ".join(missing), len(texts), mode)
     cost = verify_cost_table(target)
     for spec in missing:
-        drafter = auto.candidates[spec]
-        _decode(target, drafter, texts[0], WARM_UP_TOKENS, sampling, cost, seed)
-        for ids in texts:
+        _decode(target, auto.candidates[spec], texts[0], WARM_UP_TOKENS, sampling, cost, seed)
+    for ids in texts:  # text by text, every candidate in turn: their speeds compare on equal terms
+        for spec in missing:
+            drafter = auto.candidates[spec]
             result = _decode(target, drafter, ids, TOKENS, sampling, cost, seed)
             context = torch.cat([ids, torch.tensor(result.token_ids, dtype=torch.long)])
-            seconds = _switch_seconds(auto, drafter, context, sampling)
-            with auto.lock:
-                auto.profile.get("rebuild", spec).update(context.numel(), seconds, 1, MEMORY)
+            switch_s = _switch_seconds(auto, drafter, context, sampling)
             stats = result.stats
             steps = stats.target_forwards - 1
             if steps <= 0:
@@ -80,7 +80,9 @@ def calibrate(auto, sampling, seed: int = 0) -> float:
             squares = sum(n * n for n in per_step) / steps
             seconds = (stats.wall_time_s - stats.prefill_time_s) / steps
             with auto.lock:
-                auto.profile.get(mode, spec).update(tokens, seconds, steps, MEMORY, squares, new_text=True)
+                auto.profile.get("rebuild", spec).update(context.numel(), switch_s, 1, MEMORY)
+                for key in (mode, calibrated(mode)):
+                    auto.profile.get(key, spec).update(tokens, seconds, steps, MEMORY, squares, new_text=True)
     with auto.lock:
         auto.profile.save()
     spent = time.perf_counter() - start

@@ -56,7 +56,7 @@ from specwise.drafters.spec import split_spec, split_specs
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError, DrafterError
 from specwise.methods.auto.calibration import calibrate
-from specwise.methods.auto.profile import MEMORY, AutoProfile, Estimate, profile_path, regime
+from specwise.methods.auto.profile import MEMORY, AutoProfile, Estimate, calibrated, profile_path, regime
 from specwise.targets.loading import default_cache_dir
 
 #: standard errors by which a method's measurement is read optimistically. The running method's
@@ -225,13 +225,14 @@ class AutoDrafter(Drafter):
         return AutoRun(self, ctx)
 
     def unmeasured(self, mode: str) -> list[str]:
-        """The candidates whose profile in regime ``mode`` has fewer than ``probe_steps`` steps or
-        comes from fewer than :data:`PROBE_TEXTS` texts, in listing order; plain decoding only where
+        """The candidates whose first measurement in regime ``mode`` (:func:`calibrated`) has fewer
+        than ``probe_steps`` steps or comes from fewer than :data:`PROBE_TEXTS` texts, in listing order; plain decoding only where
         it is not replaced by the floor (it never runs then)."""
         floored = self.config.floor in self.candidates
         with self.lock:
             return [spec for spec in self.candidates if not (floored and _plain(spec))
-                    and ((e := self.profile.get(mode, spec)).steps < self.config.probe_steps or e.texts < PROBE_TEXTS)]
+                    and ((e := self.profile.get(calibrated(mode), spec)).steps < self.config.probe_steps
+                         or e.texts < PROBE_TEXTS)]
 
     def calibrate(self, sampling) -> float:
         """Measure the candidates :meth:`unmeasured` lists in ``sampling``'s regime on built-in
@@ -445,6 +446,8 @@ class AutoRun:
         rates.update(self._this_text)
         if measured:  # this text, at the upper end of the segment's scatter
             rates[current] = recent.rate + EVIDENCE * recent.rate_error
+        if self._floor is not None and current in (None, self._floor):
+            self._relative_to_floor(rates)
         best = max(rates, key=rates.__getitem__)
         if current is None and self._floor is not None:  # leaving the floor must pay, from the start too
             return best if (1.0 - cfg.margin) * rates[best] > rates[self._floor] else self._floor
@@ -456,6 +459,21 @@ class AutoRun:
         rebuild_s = context / rebuild.rate if rebuild.rate > 0 else 0.0
         stay_s, move_s = tokens / rates[current], tokens / rates[best] + rebuild_s
         return best if move_s < (1.0 - cfg.margin) * stay_s else current
+
+    def _relative_to_floor(self, rates: dict[str, float]) -> None:
+        """Predict the candidates other than the floor from how they compared with it on the same
+        built-in texts (the first measurement, :func:`calibrated`), scaled by the floor's predicted
+        speed here (one left in this generation keeps its speed on this text). Speeds remembered
+        from different texts do not compare: a step costs more as the context grows, and the floor,
+        running most, is remembered from longer contexts than the others."""
+        mode = calibrated(self._mode)
+        base = self.profile.get(mode, self._floor).rate
+        if base <= 0:
+            return
+        for spec in rates:
+            measured = self.profile.get(mode, spec).rate
+            if spec != self._floor and spec not in self._this_text and measured > 0:
+                rates[spec] = rates[self._floor] * measured / base
 
     def _probe_length(self, spec: str) -> int:
         """Steps ``spec`` still has to be probed for (0: none): what its measurement in the regime

@@ -100,6 +100,13 @@ def regime(sampling) -> str:
     return key
 
 
+def calibrated(mode: str) -> str:
+    """The profile's key for what the first measurement in regime ``mode`` found: every candidate
+    on the same built-in texts, kept apart from the running estimates (which later texts move),
+    so candidates compare on equal texts."""
+    return f"calibrated:{mode}"
+
+
 class AutoProfile:
     """Estimates per ``(regime, method spec)``, loaded from and saved to one JSON file.
 
