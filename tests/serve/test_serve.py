@@ -99,13 +99,13 @@ def test_completions_stream_equals_non_stream_equals_generate(client, target, me
     assert response.usage.prompt_tokens == len(target.encode(PROMPT))
     spec = response.model_extra["speculative_decoding"]
     assert spec["method"] == method
-    if method == "auto":  # which candidates it ran follows the speeds it measured in each process
-        assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
-    else:
-        assert spec["draft_tokens"] == result.stats.drafted_tokens
-        assert spec["accepted_tokens"] == result.stats.accepted_tokens
-        assert spec["mean_accepted_length"] == pytest.approx(result.stats.mean_accepted_length, abs=1e-4)
-        assert len(spec["acceptance_by_position"]) == len(result.stats.acceptance_by_position)
+    # the server sizes each step's drafts by the cost model it measures in its own process (the
+    # library's default), this process verifies whole proposals (conftest): the text is the same,
+    # how many drafts were verified on the way need not be
+    assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
+    assert spec["mean_accepted_length"] == pytest.approx(40 / spec["target_forwards"], abs=1e-4)
+    if method == "ar":
+        assert spec["draft_tokens"] == result.stats.drafted_tokens == 0
     streamed = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0,
                                               stream=True, extra_body=_speculative(method)))
     assert "".join(c.choices[0].text for c in streamed) == expected
