@@ -6,9 +6,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specwise.methods.prompt_lookup import cut_after_eos, find_continuation, lookup_continuation
+from specwise.methods.prompt_lookup import cut_after_eos, find_continuation
 
 EOS = torch.tensor([3])
+
+
+def lookup_continuation(ids: torch.Tensor, n: int, num: int, latest: bool):
+    """What followed an earlier occurrence of the last ``n`` tokens (the latest or the first), by
+    comparing every window of ``n`` tokens that ends before the last token; ``None``: none."""
+    windows = ids[: ids.numel() - 1].unfold(0, n, 1)  # shape: [L-n, n]
+    starts = (windows == ids[ids.numel() - n:]).all(dim=1).nonzero()
+    if starts.numel() == 0:
+        return None
+    start = int(starts[-1 if latest else 0]) + n
+    return ids[start: start + num]
 
 
 def _per_length(ids: torch.Tensor, num: int, high: int, low: int, latest: bool):

@@ -227,10 +227,10 @@ def _record_step(stats: SpecStats, step, method: str, draft_s: float, verify_s: 
 def _first_path(proposal: Proposal) -> list[int]:
     """A tree proposal's tokens from the root down through first children (parents come first, so
     one pass finds them)."""
-    path, node = [], 0
+    path, node, tokens = [], 0, proposal.tokens.tolist()
     for i, parent in enumerate(proposal.parents.tolist()):
         if parent == node:
-            path.append(int(proposal.tokens[i]))
+            path.append(tokens[i])
             node = i + 1
     return path
 

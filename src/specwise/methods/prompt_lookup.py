@@ -76,32 +76,6 @@ def ngram_sizes(min_size: int | None, max_size: int | None, greedy: bool) -> tup
     return low, high
 
 
-def lookup_continuation(
-    token_ids: torch.Tensor, ngram_size: int, num_tokens: int, latest: bool
-) -> torch.Tensor | None:
-    """Find the last ``ngram_size`` tokens earlier in ``token_ids`` and return what followed.
-
-    Args:
-        token_ids: ``[L]`` long context.
-        ngram_size: n, the suffix length to match (``n < L``).
-        num_tokens: at most this many tokens are returned.
-        latest: take the most recent earlier occurrence instead of the first one.
-
-    Returns:
-        ``[<= num_tokens]`` long (never empty), or ``None`` when the suffix occurs nowhere else.
-    """
-    length = token_ids.numel()
-    suffix = token_ids[length - ngram_size:]
-    # windows start at 0 .. L-1-n, so the suffix itself (start L-n) is excluded and every match
-    # has at least one following token
-    windows = token_ids[: length - 1].unfold(0, ngram_size, 1)  # shape: [L-n, n]
-    starts = (windows == suffix).all(dim=1).nonzero()
-    if starts.numel() == 0:
-        return None
-    start = int(starts[-1 if latest else 0]) + ngram_size
-    return token_ids[start: start + num_tokens]
-
-
 @register_drafter("pld", PromptLookupConfig,
                   "prompt lookup: copy what followed the last n-gram earlier in the context", order=10)
 class PromptLookupDrafter(Drafter):
@@ -125,7 +99,7 @@ class PromptLookupDrafter(Drafter):
 def find_continuation(token_ids: torch.Tensor, num_tokens: int, max_ngram: int, min_ngram: int,
                       latest: bool, eos_token_ids: torch.Tensor) -> torch.Tensor | None:
     """Prompt lookup's draft: what followed the context's longest recurring suffix of ``max_ngram``
-    down to ``min_ngram`` tokens (:func:`lookup_continuation`), cut after its first EOS.
+    down to ``min_ngram`` tokens (the most recent earlier occurrence, or the first), cut after its first EOS.
 
     Args:
         token_ids: ``[L]`` long context.

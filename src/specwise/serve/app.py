@@ -53,6 +53,8 @@ class ServerConfig:
         max_body_bytes: the largest request body (413 beyond).
         time_limit_s: seconds a generation may run before it is stopped (504).
         default_options: options of the default method's drafter (``--option``).
+        draft_budget: how a generation run alone sizes its drafts (``generate``'s ``draft_budget``);
+            one in a batch follows the batch's cost model.
     """
 
     model: str
@@ -67,6 +69,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     time_limit_s: float = 600.0
     default_options: dict = field(default_factory=dict)
+    draft_budget: str = "measured"
 
     @property
     def limits(self) -> Limits:
@@ -88,7 +91,8 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
     """
     metrics = ServerMetrics()
     worker = GenerationWorker(target, list(config.limits.methods), config.max_queue, config.time_limit_s, metrics,
-                              {config.default_method: dict(config.default_options)}, max_batch=config.max_batch)
+                              {config.default_method: dict(config.default_options)}, max_batch=config.max_batch,
+                              draft_budget=config.draft_budget)
     worker.start(thread=worker_thread)
     service = Service(target, config, worker, metrics)
 

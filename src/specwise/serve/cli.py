@@ -55,6 +55,9 @@ def add_serve_args(p: argparse.ArgumentParser, default_target: str) -> None:
                         "(default 8; 1: one at a time; the torch engine runs one at a time)")
     p.add_argument("--max-tokens-cap", type=int, default=2048, help="most new tokens per request (default 2048)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt (default: the context)")
+    p.add_argument("--draft-budget", default="measured", choices=["measured", "fixed"],
+                   help="a lone generation's drafts per step: measured (the cost model, default) or fixed "
+                        "(what the method proposes); generations in a batch always follow the cost model")
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds a generation may run (default 600)")
     p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
                    help="on SIGTERM or Ctrl-C, seconds open responses get to end before the process exits "
@@ -94,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(model=args.model_name or (args.target if known else Path(args.target).name), default_method=default,
                           methods=tuple(dict.fromkeys(methods)), api_key=args.api_key, max_queue=args.max_queue,
                           max_batch=args.max_batch, max_tokens_cap=args.max_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
-                          time_limit_s=args.time_limit, default_options=options)
+                          time_limit_s=args.time_limit, default_options=options, draft_budget=args.draft_budget)
     app = create_app(target, config, worker_thread=False)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=False, timeout_graceful_shutdown=args.shutdown_grace))

@@ -189,14 +189,18 @@ class GenerationWorker:
             cells (``target.capacity``), each also reserves its worst case before it starts
             (:mod:`specwise.engine.capacity`): the first waiting job waits until the running ones
             leave room, and one that could not fit even alone is refused by :meth:`submit` (400).
+        draft_budget: how a job run alone sizes its drafts (``generate``'s ``draft_budget``); one in
+            the batch follows the batch's cost model.
     """
 
     def __init__(self, target, methods: list[str], max_queue: int, time_limit_s: float, metrics,
-                 built_options: dict[str, dict[str, Any]] | None = None, max_batch: int = 1) -> None:
+                 built_options: dict[str, dict[str, Any]] | None = None, max_batch: int = 1,
+                 draft_budget: str = "measured") -> None:
         self.target = target
         self.methods = list(methods)
         self.max_queue = max_queue
         self.time_limit_s = time_limit_s
+        self.draft_budget = draft_budget
         self.metrics = metrics
         self.built_options = built_options or {}
         self._jobs: deque[Job] = deque()
@@ -418,7 +422,8 @@ class GenerationWorker:
 
         job.check()
         return generate(self.target, drafter=self._drafter(job.method, job.options), streamer=on_tokens,
-                        text_streamer=on_text, include_stop=False, load=load, **job.kwargs)
+                        text_streamer=on_text, include_stop=False, load=load, draft_budget=self.draft_budget,
+                        **job.kwargs)
 
     def _generate_in_batch(self, job: Job):
         """:meth:`_generate` inside the target's batch, with a seat in the load rule."""

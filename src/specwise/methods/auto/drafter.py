@@ -226,8 +226,8 @@ class AutoDrafter(Drafter):
 
     def unmeasured(self, mode: str) -> list[str]:
         """The candidates whose first measurement in regime ``mode`` (:func:`calibrated`) has fewer
-        than ``probe_steps`` steps or comes from fewer than :data:`PROBE_TEXTS` texts, in listing order; plain decoding only where
-        it is not replaced by the floor (it never runs then)."""
+        than ``probe_steps`` steps or comes from fewer than :data:`PROBE_TEXTS` texts, in listing
+        order; plain decoding only where the floor does not replace it (it never runs then)."""
         floored = self.config.floor in self.candidates
         with self.lock:
             return [spec for spec in self.candidates if not (floored and _plain(spec))
@@ -236,9 +236,10 @@ class AutoDrafter(Drafter):
 
     def calibrate(self, sampling) -> float:
         """Measure the candidates :meth:`unmeasured` lists in ``sampling``'s regime on built-in
-        texts, alone, with each step's drafts sized by the cost model (:func:`specwise.methods.auto.calibration.calibrate`); call it before a
-        generation alone, never inside a batch (the times would be the batch's). Returns the
-        seconds spent (0.0 when nothing was missing)."""
+        texts, alone, each step's drafts sized by the cost model
+        (:func:`specwise.methods.auto.calibration.calibrate`); call it before a generation alone,
+        never inside a batch (the times would be the batch's). Returns the seconds spent (0.0 when
+        nothing was missing)."""
         return calibrate(self, sampling)
 
     def step_hidden_layers(self, state: AutoRun) -> tuple[int, ...]:
