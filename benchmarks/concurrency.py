@@ -196,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="gemma-3-270m")
     p.add_argument("--llama-server", default=None)
-    p.add_argument("--method", default="pld", help="our servers' method (default pld)")
+    p.add_argument("--method", default="auto",
+                   help="our servers' method (default auto, the server's own default); several, comma-separated: "
+                        "one batched server each")
+    p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=True,
+                   help="also race our server one generation at a time (--max-batch 1)")
     p.add_argument("--clients", default="1,2,4,8,16")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -214,14 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     # and neither side's prefix reuse finds a prompt it has seen
     per_category = -(-args.rounds * sum(clients) // 7) + 1
     prompts = [r.prompt for r in take_per_category(records, per_category)]
-    ours = [sys.executable, "-m", "specwise.cli", "serve", "--target", args.target, "--engine", "llamacpp",
-            "--method", args.method, "--methods", f"{args.method},ar", "--log-level", "warning",
-            "--max-queue", "256", "--max-tokens-cap", str(max(args.max_tokens, 256))]
+    methods = args.method.split(",")
+
+    def ours(method: str) -> list[str]:
+        return [sys.executable, "-m", "specwise.cli", "serve", "--target", args.target, "--engine", "llamacpp",
+                "--method", method, "--methods", ",".join(dict.fromkeys([method, "ar"])), "--log-level", "warning",
+                "--max-queue", "256", "--max-tokens-cap", str(max(args.max_tokens, 256))]
     contenders = []
     if args.memory:
         n, rounds = (int(x) for x in args.memory.split("x"))
         port = free_port()
-        server = Contender("specwise batched", ours + ["--port", str(port), "--max-batch", str(args.max_batch)],
+        server = Contender("specwise batched", ours(methods[0]) + ["--port", str(port), "--max-batch", str(args.max_batch)],
                            port, out / "specwise-memory.log")
         server.wait()
         rss = [server.rss_mb()]
@@ -234,9 +241,14 @@ def main(argv: list[str] | None = None) -> int:
         (out / "memory.json").write_text(json.dumps({"cpu": cpu_description(), "clients": n, "rounds": rounds,
                                                      "rss_mb": rss, "errors": [b["errors"] for b in bursts]}, indent=1))
         return 0
-    for name, extra in (("specwise batched", ["--max-batch", str(args.max_batch)]), ("specwise sequential", ["--max-batch", "1"])):
+    ours_runs = [(f"specwise batched{'' if len(methods) == 1 else ' ' + m}", m, ["--max-batch", str(args.max_batch)])
+                 for m in methods]
+    if args.sequential:
+        ours_runs.append(("specwise sequential", methods[0], ["--max-batch", "1"]))
+    for name, method, extra in ours_runs:
         port = free_port()
-        contenders.append(Contender(name, ours + ["--port", str(port)] + extra, port, out / f"{name.replace(' ', '-')}.log"))
+        contenders.append(Contender(name, ours(method) + ["--port", str(port)] + extra, port,
+                                    out / f"{name.replace(' ', '-')}.log"))
     if args.llama_server:
         port = free_port()
         gguf = gguf_file(args.target)

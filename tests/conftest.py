@@ -162,6 +162,15 @@ def _fixed_draft_budgets(monkeypatch):
     monkeypatch.setitem(api.generate.__kwdefaults__, "draft_budget", "fixed")
 
 
+@pytest.fixture(autouse=True)
+def _no_stored_measurements(monkeypatch):
+    """Each test measures v(n) itself and leaves nothing in the user's cache (the tiny models' files
+    lie in temporary folders): tests/engine/test_budgets.py checks the store."""
+    from specwise.targets import measured
+
+    monkeypatch.setattr(measured, "measurement_path", lambda *args, **kwargs: None)
+
+
 @pytest.fixture(params=ARCHS)
 def tiny_target(request) -> Target:
     return make_target(request.param)

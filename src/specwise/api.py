@@ -21,12 +21,12 @@ from specwise.engine.load import BatchLoad, LoadShare
 from specwise.engine.logprobs import MAX_TOP_LOGPROBS
 from specwise.engine.loop import speculative_generate
 from specwise.engine.sampling import SamplingConfig
-from specwise.engine.timing import verify_cost_table
 from specwise.engine.token_ids import check_token_ids
 from specwise.engine.types import GenerationResult
 from specwise.errors import ConfigError, DrafterError, PromptError
 from specwise.methods.prediction import PredictionDrafter, prediction_ids
 from specwise.targets.engine_choice import check_engine_name
+from specwise.targets.measured import verify_costs
 from specwise.targets.tool_calls import (
     ToolError,
     call_grammar,
@@ -307,7 +307,7 @@ def generate(
     if own:  # a batch of one: the same cost model sizes a lone generation's drafts
         if hasattr(drafter, "calibrate"):  # auto measures its candidates once per regime, alone
             drafter.calibrate(sampling)
-        load = BatchLoad(verify_cost_table(target)).join()
+        load = BatchLoad(verify_costs(target)).join()
     try:
         result = speculative_generate(
             target, running, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,

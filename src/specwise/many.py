@@ -20,9 +20,9 @@ from typing import Any, Callable, Sequence
 from specwise.api import check_context, check_max_new_tokens, encode_prompt, generate, shared_drafter, tool_setup
 from specwise.engine.capacity import footprint
 from specwise.engine.load import BatchLoad
-from specwise.engine.timing import verify_cost_table
 from specwise.engine.types import GenerationResult
 from specwise.errors import CapacityError, ConfigError, SpecwiseError
+from specwise.targets.measured import verify_costs
 
 #: the most generations :func:`generate_many` runs at once by default
 DEFAULT_MAX_BATCH = 8
@@ -44,7 +44,7 @@ def batch_load(target, on_decision: Callable[[int, int], None] | None = None) ->
     Args:
         on_decision: called with ``(batch size, cap)`` at each capped step (the server's metrics).
     """
-    cost = verify_cost_table(target)
+    cost = verify_costs(target)
     return BatchLoad(cost, batch_size=lambda: target.batch_size, on_decision=on_decision)
 
 

@@ -150,3 +150,35 @@ def test_a_lone_generations_chain_is_what_the_batch_split_finds(alpha, room, fix
     costs = cost_table(VerifyCostTable(sizes, tuple(np.cumsum([1.0, *steps]))), 80)
     split = _split(np.array([alpha]), np.array([room]), costs, np.array([fixed]))[0]
     assert draft_budgets([alpha], costs, [room], [fixed]) == split
+
+
+def test_a_measured_table_is_kept_for_the_next_process(tmp_path, monkeypatch):
+    from specwise.engine import timing
+    from specwise.engine.timing import LOAD_SIZES, verify_cost_table
+
+    calls = []
+
+    def timed(target, context, sizes, repeats, tree=False):
+        calls.append(list(sizes))
+        return [0.01 * n for n in sizes]
+
+    monkeypatch.setattr(timing, "measure_forward_times", timed)
+    store = tmp_path / "measured" / "costs.json"
+    first = verify_cost_table(make_target("llama"), store)
+    again = verify_cost_table(make_target("llama"), store)  # another target object: read, not measured
+    assert len(calls) == 1 and again == first and first.num_tokens == tuple(n for n in LOAD_SIZES if n in calls[0])
+    store.write_text("{not json")  # a damaged file is measured over
+    assert verify_cost_table(make_target("llama"), store) == first and len(calls) == 2
+
+
+def test_a_file_target_is_stored_by_machine_and_file(tmp_path, monkeypatch):
+    monkeypatch.undo()  # the suite's own fixture turns the store off
+    from specwise.targets.measured import measurement_path
+
+    target = make_target("llama")
+    assert measurement_path(target, "verify-costs", tmp_path) is None  # built in memory: nothing names it
+    target.path = tmp_path / "model.gguf"
+    path = measurement_path(target, "verify-costs", tmp_path)
+    assert path.parent == tmp_path / "measured" / "verify-costs"
+    target.path = tmp_path / "other.gguf"
+    assert measurement_path(target, "verify-costs", tmp_path) != path

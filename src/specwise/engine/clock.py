@@ -41,6 +41,12 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset()
 
 
+def machine_key() -> str:
+    """This machine as its measurements depend on it: architecture, processor name, vector and
+    matrix extensions (two machines with one key time a target's forwards alike)."""
+    return "|".join((platform.machine(), _cpu_name(), _notable_flags()))
+
+
 def _notable_flags() -> str:
     """The CPU's vector and matrix extensions (what makes kernels and v(n) differ between machines)."""
     return " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))))

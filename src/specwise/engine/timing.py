@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import statistics
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,10 +32,15 @@ from specwise.prompts import default_prompt_records
 
 log = logging.getLogger("specwise.timing")
 
-#: token counts at which a target's v(n) is measured for the cost model (lone generations and batches)
-LOAD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: token counts at which a target's v(n) is measured for the cost model (lone generations and batches):
+#: every n up to 32, because v(n) is not smooth there (a CPU's matmul kernels work in tiles of rows,
+#: so a forward over a multiple of 4 tokens can cost less than one over fewer; docs/tuning.md), then
+#: sparser where it grows about linearly
+LOAD_SIZES = tuple(range(1, 33)) + (48, 64, 96, 128)
 
 SCHEMA = "specwise.calibration/1"
+#: the schema of a stored v(n) table (:func:`verify_cost_table`)
+COSTS_SCHEMA = "specwise.verify-costs/1"
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -209,10 +216,16 @@ def measure_forward_times(target, context_ids: torch.Tensor, sizes: Sequence[int
     return [statistics.median(times[n]) for n in sizes]
 
 
-def verify_cost_table(target) -> VerifyCostTable:
-    """``v(n)`` of ``target`` on this machine, measured once per target object (a causal forward
-    of n tokens after a realistic context, n in :data:`LOAD_SIZES` up to half the context, two
-    repeats) and kept on it; threads asking at once wait for one measurement.
+def verify_cost_table(target, store: Path | None = None) -> VerifyCostTable:
+    """``v(n)`` of ``target`` on this machine: a causal forward of n tokens after a realistic
+    context, n in :data:`LOAD_SIZES` up to half the context, two repeats; measured once per target
+    object (threads asking at once wait for one measurement) and kept on it.
+
+    Args:
+        store: a JSON file that keeps the table between processes (the same target on the same
+            machine, e.g. :func:`specwise.targets.loading.measurement_path`): read when it holds
+            the sizes measured now, else written after measuring; ``None``: measure every process.
+            An unreadable or unwritable file is measured over, never an error.
 
     Returns:
         the table of ``t(n) / t(1)`` (:class:`~specwise.engine.cost_model.VerifyCostTable`).
@@ -222,10 +235,40 @@ def verify_cost_table(target) -> VerifyCostTable:
         cost = target.__dict__.get("_batch_verify_cost")
         if cost is None:
             sizes = [n for n in LOAD_SIZES if n <= getattr(target, "max_context", 1 << 30) // 2]
-            context = realistic_context(target, max(sizes))
-            times = measure_forward_times(target, context, sizes, repeats=2)
-            cost = VerifyCostTable(tuple(sizes), tuple(t / times[0] for t in times))
+            cost = _stored_costs(store, sizes)
+            if cost is None:
+                context = realistic_context(target, max(sizes))
+                times = measure_forward_times(target, context, sizes, repeats=2)
+                cost = VerifyCostTable(tuple(sizes), tuple(t / times[0] for t in times))
+                _store_costs(store, cost)
             target.__dict__["_batch_verify_cost"] = cost
             log.info("v(n) on %s: %s", getattr(target, "name", "the target"),
                      ", ".join(f"{n}: {v:.2f}" for n, v in zip(cost.num_tokens, cost.relative_cost)))
     return cost
+
+
+def _stored_costs(store: Path | None, sizes: list[int]) -> VerifyCostTable | None:
+    """The table ``store`` keeps, if it was measured at ``sizes`` by this version of the rule."""
+    if store is None:
+        return None
+    try:
+        data = json.loads(Path(store).read_text())
+        if data.get("schema") != COSTS_SCHEMA or list(data["num_tokens"]) != sizes:
+            return None
+        return VerifyCostTable(tuple(sizes), tuple(float(v) for v in data["relative_cost"]))
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):
+        return None
+
+
+def _store_costs(store: Path | None, cost: VerifyCostTable) -> None:
+    if store is None:
+        return
+    data = {"schema": COSTS_SCHEMA, "num_tokens": list(cost.num_tokens), "relative_cost": list(cost.relative_cost)}
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=store.parent, prefix=".costs-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, store)  # a reader never sees half a file
+    except OSError:
+        pass

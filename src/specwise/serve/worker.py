@@ -33,10 +33,10 @@ from specwise.drafters import METHODS
 from specwise.engine.capacity import footprint
 from specwise.engine.grammar import GrammarError
 from specwise.engine.sampling import SamplingConfig
-from specwise.engine.timing import verify_cost_table
 from specwise.errors import CapacityError, EngineError, SpecwiseError
 from specwise.many import batch_load, batches_generations
 from specwise.serve.protocol import ApiError
+from specwise.targets.measured import verify_costs
 
 log = logging.getLogger("specwise.serve")
 
@@ -230,7 +230,7 @@ class GenerationWorker:
         if self.max_batch > 1:
             self._load = batch_load(self.target, on_decision=self.metrics.record_decision)
         elif any(method != "ar" for method in self.methods):
-            verify_cost_table(self.target)  # the cost model's v(n): now, not inside the first request
+            verify_costs(self.target)  # the cost model's v(n): now, not inside the first request
         for drafter in self._drafters.values():  # auto's first measurement (greedy), once per machine:
             if hasattr(drafter, "calibrate"):  # now, not in a batch whose steps time the others too
                 drafter.calibrate(SamplingConfig())

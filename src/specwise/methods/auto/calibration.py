@@ -19,10 +19,10 @@ import torch
 
 from specwise.engine.load import BatchLoad
 from specwise.engine.loop import speculative_generate
-from specwise.engine.timing import verify_cost_table
 from specwise.engine.types import DraftContext
 from specwise.methods.auto.profile import MEMORY, calibrated, regime
 from specwise.prompts import builtin_prompt_file, load_prompts
+from specwise.targets.measured import verify_costs
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def calibrate(auto, sampling, seed: int = 0) -> float:
     prompts = [p for p in load_prompts([builtin_prompt_file()]) if p.id in PROMPT_IDS]
     texts = [target.encode(p.prompt) for p in prompts]
     log.info("auto: measuring %s on %d built-in texts (%s, once per machine)", ", ".join(missing), len(texts), mode)
-    cost = verify_cost_table(target)
+    cost = verify_costs(target)
     for spec in missing:
         _decode(target, auto.candidates[spec], texts[0], WARM_UP_TOKENS, sampling, cost, seed)
     for ids in texts:  # text by text, every candidate in turn: their speeds compare on equal terms
