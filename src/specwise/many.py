@@ -45,7 +45,8 @@ def batch_load(target, on_decision: Callable[[int, int], None] | None = None) ->
         on_decision: called with ``(batch size, cap)`` at each capped step (the server's metrics).
     """
     cost = verify_costs(target)
-    return BatchLoad(cost, batch_size=lambda: target.batch_size, on_decision=on_decision)
+    return BatchLoad(cost, batch_size=lambda: target.batch_size, on_decision=on_decision,
+                     batch_round=lambda: getattr(target, "batch_rounds", None))
 
 
 def generate_many(target, prompts: Sequence[Any] | None = None, *, messages: Sequence[Sequence[dict]] | None = None,

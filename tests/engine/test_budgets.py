@@ -182,3 +182,38 @@ def test_a_file_target_is_stored_by_machine_and_file(tmp_path, monkeypatch):
     assert path.parent == tmp_path / "measured" / "verify-costs"
     target.path = tmp_path / "other.gguf"
     assert measurement_path(target, "verify-costs", tmp_path) != path
+
+
+def test_a_batch_searches_its_split_once_per_round(monkeypatch):
+    from specwise.engine import load as load_module
+
+    searches = []
+    real = load_module.draft_budgets
+    monkeypatch.setattr(load_module, "draft_budgets", lambda *a, **k: searches.append(1) or real(*a, **k))
+    round_index = [0]
+    batch = BatchLoad(FLAT, batch_round=lambda: round_index[0])
+    shares = [batch.join() for _ in range(4)]
+    for share in shares:
+        share.budget(8)
+    assert len(searches) == 1  # the first to ask found every seat's budget
+    round_index[0] += 1
+    for share in shares:
+        share.budget(8)
+    assert len(searches) == 2
+    late = batch.join()  # joined after this round's search: searched for on its own
+    late.budget(8)
+    assert len(searches) == 3
+
+
+def test_a_generation_that_never_drafts_takes_no_share_of_the_drafts():
+    costs = cost_table(FLAT, 64)
+    with_ar = draft_budgets([0.9, 0.5], costs, [8, 0])  # ar asks for nothing
+    assert with_ar == [8, 0]
+    target = make_target("llama", eos=())
+    batch = BatchLoad(FLAT)
+    ar_share, pld_share = batch.join(), batch.join()
+    prompt = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5, 6])
+    specwise.generate(target, prompt, method="ar", max_new_tokens=6, load=ar_share)
+    assert ar_share.wanted == 0 and not ar_share.budgets
+    pld_share.budget(8)
+    assert pld_share.wanted == 8

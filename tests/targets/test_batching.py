@@ -246,7 +246,8 @@ def test_a_batch_gives_each_prompt_its_own_greedy_tokens(target, method):
     kwargs = dict(method=method, max_new_tokens=36)
     many = specwise.generate_many(target, PROMPTS, max_batch=4, **kwargs)  # 8 prompts, 4 at a time: joins and leaves
     assert [r.token_ids for r in many] == [r.token_ids for r in alone(target, PROMPTS, **kwargs)]
-    assert any(r.stats.draft_budgets for r in many)  # the load rule ran
+    if method != "ar":  # ar drafts nothing: the load rule leaves it out
+        assert any(r.stats.draft_budgets for r in many)  # the load rule ran
 
 
 def test_mixed_requests_in_one_batch_are_each_their_own(target):

@@ -37,6 +37,9 @@ class Drafter(ABC):
     #: (``DraftContext.side_cache``): the generation then holds its tokens' cells twice for a while,
     #: which admission counts (:mod:`specwise.engine.capacity`)
     side_forwards: bool = False
+    #: whether :meth:`propose` ever proposes a draft (``ar`` never does: a batch's cost model then
+    #: gives its generation no share of the step's drafts and asks nothing for it)
+    drafts: bool = True
     #: the target the drafter was built for (set by its constructor when it has one);
     #: ``specwise.generate`` refuses the drafter with another target. None = any target.
     target: Any = None

@@ -230,7 +230,7 @@ class LoadShare:
     budgets: list[int] = field(default_factory=list)
     method: str | None = None
     _methods: dict = field(default_factory=dict, repr=False)  # method -> (Acceptance, DraftCost)
-    wanted: int = 0  # the most drafts its next step may verify (its drafter's room)
+    wanted: int | None = None  # the most drafts its next step may verify (its drafter's room); None: not asked yet
     idle: int = 0  # capped steps in a row at 0 drafts
     shadowing: bool = False  # the next step's drafts are proposed but not verified (:data:`SHADOW_COST`)
     # the drafts of a chain cut by the budget after its verified ones were all accepted, matched
@@ -311,16 +311,22 @@ class BatchLoad:
         verify_cost: the engine's measured ``v(n)`` (:func:`specwise.engine.timing.measure_forward_times`).
         batch_size: ``() -> int``, generations in the target's batch now; default: those joined here.
         on_decision: called with ``(batch size, cap)`` at every capped step (metrics).
+        batch_round: ``() -> int``, the target's batched rounds run so far: the batch's budgets are
+            then found once per round, by its first member to ask (from every seat's estimates as
+            they stand then), not once per member; ``None``: every ask searches.
     """
 
     def __init__(self, verify_cost: VerifyCostFn, batch_size: Callable[[], int] | None = None,
-                 on_decision: Callable[[int, int], None] | None = None) -> None:
+                 on_decision: Callable[[int, int], None] | None = None,
+                 batch_round: Callable[[], int] | None = None) -> None:
         self.verify_cost = verify_cost
         self._costs = cost_table(verify_cost, MAX_STEP_TOKENS)
         self._batch_size = batch_size
         self._on_decision = on_decision
+        self._batch_round = batch_round
         self._lock = threading.Lock()
         self._shares: list[LoadShare] = []
+        self._found: tuple[int, list[LoadShare], list[int]] | None = None  # the last search: round, seats, budgets
 
     def join(self) -> LoadShare:
         """A seat for a new generation (:meth:`LoadShare.leave` gives it back)."""
@@ -333,6 +339,21 @@ class BatchLoad:
         with self._lock:
             if share in self._shares:
                 self._shares.remove(share)
+
+    def _found_budget(self, share: LoadShare, shares: list[LoadShare]) -> int:
+        """``share``'s budget in the split of ``shares``: searched now, or read from this round's search."""
+        now = None if self._batch_round is None or len(shares) <= 1 else self._batch_round()
+        found = self._found
+        if now is not None and found is not None and found[0] == now:
+            for seat, budget in zip(found[1], found[2]):
+                if seat is share:
+                    return budget
+        budgets = draft_budgets([s.acceptance.alpha for s in shares], self._costs,
+                                [share.wanted if s.wanted is None else s.wanted for s in shares],  # not asked yet: as this one
+                                [s.cost.steps for s in shares])
+        if now is not None:
+            self._found = (now, shares, budgets)
+        return budgets[shares.index(share)]
 
     def relative_cost(self, num_tokens: int) -> float:
         """``v(n)``: a forward over ``num_tokens`` tokens in one-token steps."""
@@ -347,10 +368,7 @@ class BatchLoad:
             size = len(shares) if self._batch_size is None else max(1, min(len(shares), self._batch_size()))
         if size <= 1:
             shares = [share]
-        budgets = draft_budgets([s.acceptance.alpha for s in shares], self._costs,
-                                [s.wanted or share.wanted for s in shares],  # one not asked yet: as this one
-                                [s.cost.steps for s in shares])
-        cap = min(room, budgets[shares.index(share)])
+        cap = min(room, self._found_budget(share, shares))
         if self._on_decision is not None:
             self._on_decision(len(shares), cap)
         return cap

@@ -107,7 +107,7 @@ def speculative_generate(
             while output.stop_reason is None:
                 # 1. propose, leaving room for the bonus token
                 room = max_new_tokens - len(output.tokens) - 1
-                budget, asked = _budget(room, load, drafter.active_method(state))
+                budget, asked = _budget(room, load, drafter.active_method(state), drafter.drafts)
                 t0 = clock.now()
                 ctx = DraftContext(committed[:length], asked, sampling, generator, cache.length, side_cache=side)
                 proposal, budget = _with_forced(drafter.propose(state, ctx), constraint, budget, room)
@@ -200,12 +200,15 @@ class _Commit:
         _stream(emitted, self.streamer)
 
 
-def _budget(room: int, load: LoadShare | None, method: str) -> tuple[int, int]:
+def _budget(room: int, load: LoadShare | None, method: str, drafts: bool = True) -> tuple[int, int]:
     """``(drafts the step may verify, drafts the drafter is asked for)``: what is left of the length
     (the bonus token kept), capped by the load's cost model; a cheap drafter held at 0 is still
     asked, for the evidence its unverified drafts give (:data:`specwise.engine.load.SHADOW_COST`)."""
     if load is None:
         return room, room
+    if room == 0 or not drafts:  # its last token, or a drafter that never drafts: no share of the drafts
+        load.wanted = 0
+        return 0, 0
     cap = load.budget(room, method)
     return cap, room if load.shadowing else cap
 

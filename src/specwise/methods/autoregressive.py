@@ -17,6 +17,8 @@ class AutoregressiveConfig(MethodConfig):
 class AutoregressiveDrafter(Drafter):
     """Proposes nothing, so every step is one ordinary decoding step."""
 
+    drafts = False
+
     def __init__(self, target, config: AutoregressiveConfig) -> None:
         self.config = config
         self.target = target

@@ -673,6 +673,11 @@ class LlamaCppTarget:
         """Generations running in the batch now (threads inside :meth:`batch_member`)."""
         return self._batcher.members
 
+    @property
+    def batch_rounds(self) -> int:
+        """Batched rounds run so far (one per step of the batch's members)."""
+        return self._batcher.rounds
+
     def _hidden_rows(self, layer: int, pieces: list[np.ndarray], n: int, wanted: list[int]) -> torch.Tensor:
         """One tapped layer's ``[n, H]`` from its pieces (one per decoded chunk; the final layer's
         pieces hold the logit rows only)."""
