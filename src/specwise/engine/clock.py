@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,6 +61,21 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def write_json_atomically(path: Path, data, prefix: str = ".tmp-") -> bool:
+    """Write ``data`` as JSON to ``path`` through a temporary file in its folder (concurrent writers:
+    the last one wins, a reader never sees a torn file). Returns whether it was written: a cache
+    that cannot be written is the caller's to skip, not an error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        return False
 
 
 def read_json(path, missing: str) -> dict:

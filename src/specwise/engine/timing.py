@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import statistics
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from specwise.engine.clock import DeviceClock, read_json
+from specwise.engine.clock import DeviceClock, read_json, write_json_atomically
 from specwise.engine.cost_model import VerifyCostTable
 from specwise.engine.target import AttentionLayout
 from specwise.engine.tree import DraftTree
@@ -223,7 +221,7 @@ def verify_cost_table(target, store: Path | None = None) -> VerifyCostTable:
 
     Args:
         store: a JSON file that keeps the table between processes (the same target on the same
-            machine, e.g. :func:`specwise.targets.loading.measurement_path`): read when it holds
+            machine, e.g. :func:`specwise.targets.measured.measurement_path`): read when it holds
             the sizes measured now, else written after measuring; ``None``: measure every process.
             An unreadable or unwritable file is measured over, never an error.
 
@@ -261,14 +259,6 @@ def _stored_costs(store: Path | None, sizes: list[int]) -> VerifyCostTable | Non
 
 
 def _store_costs(store: Path | None, cost: VerifyCostTable) -> None:
-    if store is None:
-        return
-    data = {"schema": COSTS_SCHEMA, "num_tokens": list(cost.num_tokens), "relative_cost": list(cost.relative_cost)}
-    try:
-        store.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=store.parent, prefix=".costs-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, store)  # a reader never sees half a file
-    except OSError:
-        pass
+    if store is not None:
+        write_json_atomically(store, {"schema": COSTS_SCHEMA, "num_tokens": list(cost.num_tokens),
+                                      "relative_cost": list(cost.relative_cost)}, prefix=".costs-")

@@ -15,12 +15,18 @@ from specwise.engine.timing import verify_cost_table
 from specwise.targets.loading import default_cache_dir
 
 
+def model_source(target) -> str:
+    """The files ``target`` was loaded from (a Hugging Face folder or a GGUF file), ``""`` for a
+    model built in memory."""
+    return str(getattr(getattr(target, "model", None), "name_or_path", "") or getattr(target, "path", "") or "")
+
+
 def measurement_path(target, kind: str, cache_root: Path | None = None) -> Path | None:
     """Where a measurement of ``target`` on this machine is kept: ``<cache>/measured/<kind>/<key>.json``,
     keyed by the model's files, engine, weight form, dtype, device, threads and the machine
     (:func:`specwise.engine.clock.machine_key`); ``None`` for a model built in memory (no files
     to name it by)."""
-    source = str(getattr(getattr(target, "model", None), "name_or_path", "") or getattr(target, "path", "") or "")
+    source = model_source(target)
     if not source:
         return None
     parts = [getattr(target, "engine", "torch"), str(getattr(target, "name", "")), source,

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from specwise.engine.clock import write_json_atomically
+from specwise.targets.measured import model_source
 
 #: weight of a new segment's means in the remembered estimate (an exponential moving average over the
 #: segments of every generation: recent requests count most, one odd text does not erase the rest)
@@ -140,20 +141,13 @@ class AutoProfile:
         if self.path is None:
             return
         data = {"version": VERSION, "estimates": {f"{mode}|{spec}": vars(e) for (mode, spec), e in sorted(self.estimates.items())}}
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".auto-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1)
-            os.replace(tmp, self.path)
-        except OSError:
-            pass
+        write_json_atomically(self.path, data, prefix=".auto-")
 
 
 def profile_path(target, cache_root: Path) -> Path | None:
     """Where ``target``'s profile lives: ``<cache>/auto/<key>.json``, keyed by the model's files, the
     engine, weight form, dtype, device, threads and CPU; ``None`` for a model built in memory (no files)."""
-    source = str(getattr(getattr(target, "model", None), "name_or_path", "") or getattr(target, "path", "") or "")
+    source = model_source(target)
     if not source:
         return None
     parts = [target.name, source, target.weights, str(target.dtype), str(target.device),
