@@ -8,6 +8,7 @@ library against these.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -26,6 +27,11 @@ from specwise.targets.hf import Target
 # Tiny models on a 2-core CPU: intra-op threading costs far more than it saves (one float64->float32
 # softmax in eager attention takes ~8 ms with 2 threads and ~5 us with 1), so use one thread.
 torch.set_num_threads(1)
+
+# Every process of the suite (servers it starts included) measures v(n) itself and leaves nothing in
+# the user's cache (the tiny models' files lie in temporary folders); tests/engine/test_budgets.py
+# checks the store with its own paths.
+os.environ["SPECWISE_NO_STORE"] = "1"
 
 VOCAB = 128
 EOS_ID = 1
@@ -161,14 +167,6 @@ def _fixed_draft_budgets(monkeypatch):
 
     monkeypatch.setitem(api.generate.__kwdefaults__, "draft_budget", "fixed")
 
-
-@pytest.fixture(autouse=True)
-def _no_stored_measurements(monkeypatch):
-    """Each test measures v(n) itself and leaves nothing in the user's cache (the tiny models' files
-    lie in temporary folders): tests/engine/test_budgets.py checks the store."""
-    from specwise.targets import measured
-
-    monkeypatch.setattr(measured, "measurement_path", lambda *args, **kwargs: None)
 
 
 @pytest.fixture(params=ARCHS)

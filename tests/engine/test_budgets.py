@@ -172,7 +172,7 @@ def test_a_measured_table_is_kept_for_the_next_process(tmp_path, monkeypatch):
 
 
 def test_a_file_target_is_stored_by_machine_and_file(tmp_path, monkeypatch):
-    monkeypatch.undo()  # the suite's own fixture turns the store off
+    monkeypatch.delenv("SPECWISE_NO_STORE")  # the suite's own fixture turns the store off
     from specwise.targets.measured import measurement_path
 
     target = make_target("llama")
@@ -182,6 +182,8 @@ def test_a_file_target_is_stored_by_machine_and_file(tmp_path, monkeypatch):
     assert path.parent == tmp_path / "measured" / "verify-costs"
     target.path = tmp_path / "other.gguf"
     assert measurement_path(target, "verify-costs", tmp_path) != path
+    monkeypatch.setenv("SPECWISE_NO_STORE", "1")
+    assert measurement_path(target, "verify-costs", tmp_path) is None
 
 
 def test_a_batch_searches_its_split_once_per_round(monkeypatch):

@@ -5,6 +5,7 @@ process on the same machine and model does not measure it again."""
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import torch
@@ -25,9 +26,9 @@ def measurement_path(target, kind: str, cache_root: Path | None = None) -> Path 
     """Where a measurement of ``target`` on this machine is kept: ``<cache>/measured/<kind>/<key>.json``,
     keyed by the model's files, engine, weight form, dtype, device, threads and the machine
     (:func:`specwise.engine.clock.machine_key`); ``None`` for a model built in memory (no files
-    to name it by)."""
+    to name it by), or where ``$SPECWISE_NO_STORE`` is set (every process measures afresh)."""
     source = model_source(target)
-    if not source:
+    if not source or os.environ.get("SPECWISE_NO_STORE"):
         return None
     parts = [getattr(target, "engine", "torch"), str(getattr(target, "name", "")), source,
              str(getattr(target, "weights", "")), str(target.dtype), str(target.device),
