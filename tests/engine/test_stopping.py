@@ -25,7 +25,7 @@ from conftest import (
     repetitive_prompt,
 )
 from specwise.engine.sampling import SamplingConfig
-from specwise.engine.types import DraftContext
+from specwise.engine.types import DraftContext, StepTokens, step_origins
 from specwise.errors import ConfigError
 from specwise.methods.draft.drafter import DraftModelConfig, DraftModelDrafter
 from specwise.methods.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
@@ -211,3 +211,28 @@ def test_streamer_receives_exactly_the_output(stopping, k):
     assert result.stop_reason == stopping
     assert [t for chunk in chunks for t in chunk] == result.token_ids
     assert all(chunks)
+
+
+def test_streamer_is_told_where_each_token_came_from():
+    """Each step's tokens come with their origins: the first token and every bonus are the target's,
+    the accepted drafts the drafter's, and their count is the run's accepted tokens."""
+    prompt, continuation = prompt_with_new_token_at(7, 20)
+    target = make_target("llama")
+    steps: list[StepTokens] = []
+    result = specwise.generate(target, list(prompt), drafter=OracleDrafter(continuation, len(prompt), 3),
+                               max_new_tokens=12, streamer=steps.append)
+    assert all(isinstance(step, StepTokens) and len(step.origins) == len(step) for step in steps)
+    assert steps[0].origins == ("target",) and steps[0].method is None
+    for step in steps[1:-1]:  # the last step may be cut at the length limit before its bonus token
+        assert step.origins == ("draft",) * (len(step) - 1) + ("target",)
+    origins = [o for step in steps for o in step.origins]
+    assert origins.count("draft") == result.stats.accepted_tokens
+    assert {step.method for step in steps[1:]} == {result.stats.method}
+
+
+def test_step_origins_put_forced_tokens_first():
+    assert step_origins(accepted=3, forced=2, committed=4) == ("forced", "forced", "draft", "target")
+    assert step_origins(accepted=0, forced=0, committed=1) == ("target",)
+    assert step_origins(accepted=1, forced=3, committed=2) == ("forced", "forced")
+    with pytest.raises(ValueError, match="origins"):
+        StepTokens([1, 2], ("target",))

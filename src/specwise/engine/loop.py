@@ -29,7 +29,16 @@ from specwise.engine.logprobs import TokenLogprob, token_logprobs
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.step import verify_chain, verify_proposal
 from specwise.engine.stopping import StoppingRules
-from specwise.engine.types import DraftContext, GenerationResult, Proposal, SpecStats, StepFeedback
+from specwise.engine.types import (
+    TARGET,
+    DraftContext,
+    GenerationResult,
+    Proposal,
+    SpecStats,
+    StepFeedback,
+    StepTokens,
+    step_origins,
+)
 
 
 def speculative_generate(
@@ -59,7 +68,9 @@ def speculative_generate(
         generator: RNG for sampling and for drafters.
         stop_strings: generation stops at the first token whose text (decoded with special tokens)
             completes one; the text ends right after it (it is kept).
-        streamer: called with each step's committed new token ids.
+        streamer: called with each step's committed new token ids, a
+            :class:`~specwise.engine.types.StepTokens` (a ``list[int]`` that also says where each
+            token came from: an accepted draft, the target, or the grammar).
         text_streamer: called with each new piece of text; never shown a tail that could still
             begin a stop string (:class:`specwise.engine.stopping.StoppingRules`).
         eos_token_ids: tokens that end generation (kept in ``token_ids``, left out of ``text``);
@@ -110,7 +121,7 @@ def speculative_generate(
                 budget, asked = _budget(room, load, drafter.active_method(state), drafter.drafts)
                 t0 = clock.now()
                 ctx = DraftContext(committed[:length], asked, sampling, generator, cache.length, side_cache=side)
-                proposal, budget = _with_forced(drafter.propose(state, ctx), constraint, budget, room)
+                proposal, budget, forced = _with_forced(drafter.propose(state, ctx), constraint, budget, room)
                 # 2.-4. verify in one target forward, accept, keep the accepted path in the cache
                 t1 = clock.now()
                 step = verify_proposal(target, cache, committed[:length], proposal, budget=budget, sampling=sampling,
@@ -120,8 +131,9 @@ def speculative_generate(
                 t2 = clock.now()
                 new = step.accepted + [step.next_token]
                 committed[length: length + len(new)], length = torch.tensor(new, dtype=torch.long), length + len(new)
-                commit(new, step.emitted_logits)
-                _record_step(stats, step, drafter.active_method(state), t1 - t0, t2 - t1, load, proposal)
+                method = drafter.active_method(state)
+                commit(new, step.emitted_logits, step_origins(len(step.accepted), forced, len(new)), method)
+                _record_step(stats, step, method, t1 - t0, t2 - t1, load, proposal)
                 # 5. tell the drafter what was accepted
                 drafter.observe(state, StepFeedback(committed[:length], step.num_drafted, len(step.accepted),
                                                     cache.length, step.hidden_states, step.accepted_nodes,
@@ -161,19 +173,21 @@ def _started(drafter: Drafter, ctx: DraftContext):
         drafter.finish(state)
 
 
-def _with_forced(proposal: Proposal, constraint: GrammarState | None, budget: int, room: int) -> tuple[Proposal, int]:
-    """The proposal with the tokens the grammar forces next grafted on as one more chain (they are
-    deterministic drafts no drafter had to find), and the step's budget raised by their number
-    (within ``room``); unchanged without a grammar, where nothing is forced, or where the proposal
-    carries auxiliary tokens, which cannot be merged."""
+def _with_forced(proposal: Proposal, constraint: GrammarState | None, budget: int,
+                 room: int) -> tuple[Proposal, int, int]:
+    """``(proposal, budget, forced)``: the proposal with the ``forced`` tokens the grammar forces next
+    grafted on as one more chain (they are deterministic drafts no drafter had to find), and the
+    step's budget raised by their number (within ``room``); unchanged (``forced`` 0) without a
+    grammar, where nothing is forced, or where the proposal carries auxiliary tokens, which cannot
+    be merged."""
     forced = [] if constraint is None else constraint.forced_tokens()
     if not forced or proposal.auxiliary is not None:
-        return proposal, budget
+        return proposal, budget, 0
     chain = torch.tensor(forced, dtype=torch.long, device=proposal.tokens.device)
     budget = min(room, budget + len(forced))
     if proposal.tokens.numel() == 0:
-        return Proposal(chain, acceptance=proposal.acceptance), budget
-    return proposal.with_chain(chain), budget
+        return Proposal(chain, acceptance=proposal.acceptance), budget, len(forced)
+    return proposal.with_chain(chain), budget, len(forced)
 
 
 @dataclass
@@ -187,7 +201,8 @@ class _Commit:
     top_logprobs: int | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
-    def __call__(self, new: list[int], logits: torch.Tensor | None) -> None:
+    def __call__(self, new: list[int], logits: torch.Tensor | None, origins: Sequence[str] = (TARGET,),
+                 method: str | None = None) -> None:
         complete = False
         if self.constraint is not None:
             new = new[: self.constraint.advance(new)]
@@ -197,7 +212,7 @@ class _Commit:
         emitted = self.output.commit(new)
         if complete:
             self.output.end("grammar")
-        _stream(emitted, self.streamer)
+        _stream(StepTokens(emitted, origins, method), self.streamer)
 
 
 def _budget(room: int, load: LoadShare | None, method: str, drafts: bool = True) -> tuple[int, int]:

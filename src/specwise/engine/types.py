@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -340,3 +340,33 @@ class GenerationResult:
             return "tool_calls"
         return {"stop_string": "stop", "grammar": "stop"}.get(self.stop_reason, self.stop_reason)
 
+
+
+#: where a committed token came from (:class:`StepTokens`)
+DRAFTED, TARGET, FORCED = "draft", "target", "forced"
+
+
+class StepTokens(list):
+    """One step's committed new token ids, as the loop's ``streamer`` is given them: a ``list[int]``
+    that also says where each token came from, for a client that shows speculation at work.
+
+    Attributes:
+        origins: one per token: ``"draft"`` (a drafter's token the target accepted), ``"target"``
+            (the target's own: the bonus token, or the first token after the prompt) or
+            ``"forced"`` (the grammar allowed only this token).
+        method: the method that drafted the step (``auto``: the candidate it ran), ``None`` for the
+            first token.
+    """
+
+    def __init__(self, tokens: list[int], origins: Sequence[str], method: str | None = None) -> None:
+        super().__init__(tokens)
+        if len(origins) < len(tokens):
+            raise ValueError(f"{len(tokens)} tokens need as many origins, got {len(origins)}")
+        self.origins = tuple(origins[: len(tokens)])
+        self.method = method
+
+
+def step_origins(accepted: int, forced: int, committed: int) -> tuple[str, ...]:
+    """The origins of a step's ``committed`` tokens: the first ``forced`` the grammar forced (they
+    were drafted as such), the rest of the first ``accepted`` a drafter's, then the target's bonus."""
+    return tuple(FORCED if i < forced else DRAFTED if i < accepted else TARGET for i in range(committed))
