@@ -128,12 +128,11 @@ def speculative_generate(
                                        generator=generator, hidden_layers=drafter.step_hidden_layers(state),
                                        grammar=constraint, emitted_logits=logprobs is not None,
                                        room=cells - cache.length)
-                t2 = clock.now()
-                new = step.accepted + [step.next_token]
+                t2, new = clock.now(), step.accepted + [step.next_token]
                 committed[length: length + len(new)], length = torch.tensor(new, dtype=torch.long), length + len(new)
-                method = drafter.active_method(state)
-                commit(new, step.emitted_logits, step_origins(len(step.accepted), forced, len(new)), method)
-                _record_step(stats, step, method, t1 - t0, t2 - t1, load, proposal)
+                commit(new, step.emitted_logits, step_origins(len(step.accepted), forced, len(new)),
+                       drafter.active_method(state))
+                _record_step(stats, step, drafter.active_method(state), t1 - t0, t2 - t1, load, proposal)
                 # 5. tell the drafter what was accepted
                 drafter.observe(state, StepFeedback(committed[:length], step.num_drafted, len(step.accepted),
                                                     cache.length, step.hidden_states, step.accepted_nodes,
