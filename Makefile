@@ -24,9 +24,13 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[bench]"
 	touch $@
 
-# the tests cover every layer: [dev] = [bench] + [train] + [qwen] + [serve] + [llamacpp] + the openai client + pytest (+ xdist), hypothesis, scipy, ruff
+# the tests cover every layer: [dev] = [bench] + [train] + [qwen] + [serve] + [llamacpp] + the openai client + pytest (+ xdist), hypothesis, scipy, ruff, selenium
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	@# the page's browser test drives Debian's Chromium; installed where apt can (root), else that test is skipped
+	@command -v chromedriver >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; } || \
+		echo "note: Chromium not installed; the page's browser test will be skipped"
 	touch $@
 
 demo: $(VENV)/.installed-bench

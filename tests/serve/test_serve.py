@@ -133,6 +133,41 @@ def test_chat_stream_equals_non_stream_equals_generate(client, target, method):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_origins_spell_the_text_and_count_the_accepted_drafts(client, target, chat):
+    """With ``speculative.origins`` each chunk carries its steps' tokens as text spans with their
+    origins: joined they are the streamed text, their draft tokens are the run's accepted tokens,
+    every step after the first ends with the target's own token, and an OpenAI client reads the
+    stream unchanged."""
+    extra = {"speculative": {"method": "pld", "origins": True}}
+    if chat:
+        messages = [{"role": "user", "content": PROMPT}]
+        chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=40,
+                                                     temperature=0, stream=True, extra_body=extra,
+                                                     stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0,
+                                                stream=True, extra_body=extra, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+    steps = [step for c in chunks for step in (c.model_extra.get("specwise") or {}).get("steps", [])]
+    assert "".join(span["text"] for step in steps for span in step["tokens"]) == text
+    spec = chunks[-1].model_extra["speculative_decoding"]
+    origins = [span["origin"] for step in steps for span in step["tokens"]]
+    assert origins.count("draft") == spec["accepted_tokens"] > 0
+    assert steps[0]["method"] is None and {step["method"] for step in steps[1:]} == {"pld"}
+    assert sum(step["drafted"] for step in steps) == spec["draft_tokens"]
+    assert all(step["tokens"][-1]["origin"] == "target" for step in steps[:-1] if step["tokens"])
+
+
+def test_origins_are_only_streamed_and_only_when_asked(client):
+    plain = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True))
+    assert all("specwise" not in (c.model_extra or {}) for c in plain)
+    with pytest.raises(openai.BadRequestError, match="needs stream=true"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8,
+                                  extra_body={"speculative": {"origins": True}})
+
+
 def test_stop_strings_are_left_out_also_inside_an_accepted_block(client, target):
     """With the exact output as the prediction, pld's steps accept blocks of several tokens; a stop
     string ending mid-block cuts the text right before it, streamed or not."""

@@ -131,7 +131,7 @@ def speculative_generate(
                 t2, new = clock.now(), step.accepted + [step.next_token]
                 committed[length: length + len(new)], length = torch.tensor(new, dtype=torch.long), length + len(new)
                 commit(new, step.emitted_logits, step_origins(len(step.accepted), forced, len(new)),
-                       drafter.active_method(state))
+                       drafter.active_method(state), step.num_drafted)
                 _record_step(stats, step, drafter.active_method(state), t1 - t0, t2 - t1, load, proposal)
                 # 5. tell the drafter what was accepted
                 drafter.observe(state, StepFeedback(committed[:length], step.num_drafted, len(step.accepted),
@@ -201,7 +201,7 @@ class _Commit:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __call__(self, new: list[int], logits: torch.Tensor | None, origins: Sequence[str] = (TARGET,),
-                 method: str | None = None) -> None:
+                 method: str | None = None, drafted: int = 0) -> None:
         complete = False
         if self.constraint is not None:
             new = new[: self.constraint.advance(new)]
@@ -211,7 +211,7 @@ class _Commit:
         emitted = self.output.commit(new)
         if complete:
             self.output.end("grammar")
-        _stream(StepTokens(emitted, origins, method), self.streamer)
+        _stream(StepTokens(emitted, origins, method, drafted), self.streamer)
 
 
 def _budget(room: int, load: LoadShare | None, method: str, drafts: bool = True) -> tuple[int, int]:

@@ -356,14 +356,15 @@ class StepTokens(list):
             ``"forced"`` (the grammar allowed only this token).
         method: the method that drafted the step (``auto``: the candidate it ran), ``None`` for the
             first token.
+        drafted: draft tokens the step verified (a tree's nodes; grammar-forced ones included).
     """
 
-    def __init__(self, tokens: list[int], origins: Sequence[str], method: str | None = None) -> None:
+    def __init__(self, tokens: list[int], origins: Sequence[str], method: str | None = None, drafted: int = 0) -> None:
         super().__init__(tokens)
         if len(origins) < len(tokens):
             raise ValueError(f"{len(tokens)} tokens need as many origins, got {len(origins)}")
         self.origins = tuple(origins[: len(tokens)])
-        self.method = method
+        self.method, self.drafted = method, drafted
 
 
 def step_origins(accepted: int, forced: int, committed: int) -> tuple[str, ...]:

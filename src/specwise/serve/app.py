@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specwise.serve.metrics import ServerMetrics
+from specwise.serve.page import page_html
 from specwise.serve.protocol import ApiError, ChatRequest, CompletionRequest, now
 from specwise.serve.requests import Limits, prepare
 from specwise.serve.responses import completion_body, record_finished, stream_events
@@ -107,6 +108,9 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
     app.add_middleware(_BodyLimit, max_body_size=config.max_body_bytes, metrics=metrics)
     app.add_middleware(_ApiKey, api_key=config.api_key, metrics=metrics)
     install_error_handlers(app, metrics)
+    page = page_html(target, config.model, config.limits.methods, config.default_method, config.max_tokens_cap,
+                     config.api_key is not None)
+    app.get("/", response_class=HTMLResponse)(lambda: HTMLResponse(page))
     app.get("/health")(service.health)
     app.get("/metrics")(service.prometheus)
     app.get("/v1/models")(service.models)
@@ -153,7 +157,7 @@ class Service:
         prepared = await asyncio.to_thread(prepare, self.target, body, chat, self.limits)
         job = Job(prepared.request_id, prepared.kwargs, prepared.method, prepared.options, deadline=float("inf"),
                   loop=asyncio.get_running_loop(), stream=body.stream, user=body.user,
-                  prompt_tokens=prepared.prompt_tokens)
+                  prompt_tokens=prepared.prompt_tokens, origins=bool(body.speculative and body.speculative.origins))
         self.worker.submit(job)
         if body.stream:
             self.metrics.requests.labels(endpoint, "200").inc()

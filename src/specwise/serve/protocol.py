@@ -94,6 +94,8 @@ class Speculative(_Strict):
 
     method: StrictStr | None = None
     options: dict[str, OptionValue] = Field(default_factory=dict)
+    # each streamed chunk also says where its tokens came from (its ``specwise`` field, docs/serve.md)
+    origins: StrictBool = False
 
 
 class _Request(_Strict):

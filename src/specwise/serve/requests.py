@@ -74,6 +74,9 @@ def check_request(body, chat: bool, limits: Limits) -> tuple[str, dict[str, Any]
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options needs stream=true.", "stream_options")
     spec = body.speculative
+    if spec is not None and spec.origins and not body.stream:
+        raise ApiError(400, "speculative.origins needs stream=true (the origins come in the stream's chunks).",
+                       "speculative.origins")
     method = (spec.method if spec and spec.method else None) or limits.default_method
     if method not in limits.methods:
         raise ApiError(400, f"method {method!r} is not loaded on this server (loaded: {', '.join(limits.methods)}).",

@@ -96,8 +96,13 @@ async def stream_events(job, body, chat: bool, model: str, prompt_tokens: int, o
     created, kind_name = now(), "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if body.include_usage else {}
 
+    steps: list[dict] = []  # the origins of tokens whose text has not been sent yet (speculative.origins)
+
     def chunk(choices: list) -> bytes:
         data = {"id": job.id, "object": kind_name, "created": created, "model": model, "choices": choices, **extra}
+        if steps:
+            data["specwise"] = {"steps": steps[:]}
+            steps.clear()
         return format_sse_event(data_str=_json(data))
 
     def choice(text: str | None, reason: str | None, role: bool = False, logprobs: dict | None = None) -> dict:
@@ -112,7 +117,10 @@ async def stream_events(job, body, chat: bool, model: str, prompt_tokens: int, o
     while True:
         kind, value = await job.events.get()
         if kind == "text":
-            text = watch.feed(value) if watch else value
+            text, step = value
+            if step is not None and watch is None:  # tool calls' text is never shown, nor its origins
+                steps.append(step)
+            text = watch.feed(text) if watch else text
             if text:
                 yield chunk([choice(text, None)])
             continue

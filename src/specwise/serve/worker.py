@@ -33,8 +33,10 @@ from specwise.drafters import METHODS
 from specwise.engine.capacity import footprint
 from specwise.engine.grammar import GrammarError
 from specwise.engine.sampling import SamplingConfig
+from specwise.engine.types import StepTokens
 from specwise.errors import CapacityError, EngineError, SpecwiseError
 from specwise.many import batch_load, batches_generations
+from specwise.serve.origins import TokenSpans
 from specwise.serve.protocol import ApiError
 from specwise.targets.measured import verify_costs
 
@@ -124,8 +126,11 @@ class Job:
         deadline: ``time.monotonic()`` after which the job is stopped.
         stream: whether the text is wanted piece by piece; otherwise it is gathered in ``pieces``
             on the worker's thread (no event per step for a client that reads only the end).
-        events: ``("text", str)`` pieces when streaming, then ``("done", GenerationResult)`` or
-            ``("error", ApiError)``, delivered on the event loop.
+        events: ``("text", (str, step))`` pieces when streaming (``step``: the step's tokens as text
+            spans with their origins, :func:`specwise.serve.origins.TokenSpans.step`, when ``origins``
+            is asked for, else ``None``), then ``("done", GenerationResult)`` or ``("error", ApiError)``,
+            delivered on the event loop.
+        origins: stream where each token came from (an accepted draft, the target, the grammar).
         stop_reason: set when the job is to stop at its next step (a :class:`StopReason`).
     """
 
@@ -139,6 +144,7 @@ class Job:
     user: str | None = None  # OpenAI's end-user id, logged with the request
     prompt_tokens: int = 0  # the prompt's length in tokens (admission by capacity counts it)
     seat: Any = None  # its reservation in the target's pool while it runs in a batch
+    origins: bool = False
     pieces: list[str] = dataclasses.field(default_factory=list)
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     stop_reason: str | None = None
@@ -407,18 +413,21 @@ class GenerationWorker:
         job.started = time.monotonic()
         job.deadline = job.started + self.time_limit_s
 
-        def on_tokens(tokens: list[int]) -> None:
+        spans = TokenSpans(self.target) if job.stream and job.origins else None
+        held: list[str] = []  # a step's text, sent with its tokens' origins when the step's tokens come
+
+        def on_tokens(tokens: StepTokens) -> None:
             if job.first_token is None:
                 job.first_token = time.monotonic()
             job.tokens += len(tokens)
             self.metrics.generated_tokens.inc(len(tokens))
+            if held or spans is not None:
+                job.emit("text", ("".join(held), spans.step(tokens) if spans is not None else None))
+                held.clear()
             job.check()
 
         def on_text(piece: str) -> None:
-            if job.stream:
-                job.emit("text", piece)
-            else:
-                job.pieces.append(piece)
+            (held if job.stream else job.pieces).append(piece)
 
         job.check()
         return generate(self.target, drafter=self._drafter(job.method, job.options), streamer=on_tokens,
