@@ -29,7 +29,7 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	@# the page's browser test drives Debian's Chromium; installed where apt can (root), else that test is skipped
 	@command -v chromedriver >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; } || \
+		{ apt-get update -q >/dev/null; DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; }; } || \
 		echo "note: Chromium not installed; the page's browser test will be skipped"
 	touch $@
 

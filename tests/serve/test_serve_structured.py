@@ -76,6 +76,20 @@ def test_chat_response_format_equals_generate(client, target, kind, method):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == local.text
 
 
+def test_streamed_origins_name_the_tokens_the_schema_forces(client):
+    """Under a JSON schema the keys and punctuation are forced: their spans say so, and the spans
+    still spell the streamed text."""
+    chunks = list(client.chat.completions.create(model="tiny-text", messages=MESSAGES, max_completion_tokens=48,
+                                                 temperature=0, response_format=FORMATS["json-schema"], stream=True,
+                                                 extra_body={"speculative": {"method": "pld", "origins": True}}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    spans = [span for c in chunks for step in (c.model_extra.get("specwise") or {}).get("steps", [])
+             for span in step["tokens"]]
+    assert "".join(span["text"] for span in spans) == text
+    forced = "".join(span["text"] for span in spans if span["origin"] == "forced")
+    assert '"name"' in forced or "name" in forced
+
+
 def test_completions_take_a_response_format_too(client, target):
     prompt = 'record: {"name":"an","ok":false} record: '
     local = specwise.generate(target, prompt, max_new_tokens=32, response_format=FORMATS["json-schema"])
