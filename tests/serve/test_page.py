@@ -114,3 +114,44 @@ def test_the_page_streams_coloured_tokens_that_spell_the_apis_completion(server,
         assert browser.find_element("id", "error").text == "Write a prompt first."
     finally:
         browser.quit()
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("page-chat") / "tiny-chat"
+    make_model("llama").save_pretrained(path)
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}"
+                               "{% if add_generation_prompt %}t5 {% endif %}")
+    tokenizer.save_pretrained(path)
+    server = Server(path, "--method", "pld", "--methods", "ar,pld", "--max-tokens-cap", "64")
+    yield server
+    server.stop()
+
+
+def test_a_chat_goes_on_turn_by_turn_and_each_reply_is_the_apis(chat_server):
+    """On a chat target the page keeps the conversation: the second reply is what the API returns
+    for both turns."""
+    def api(messages):
+        return httpx.post(f"{chat_server.url}/v1/chat/completions", timeout=60,
+                          json={"model": "tiny-chat", "messages": messages, "max_tokens": 24, "temperature": 0,
+                                "speculative": {"method": "pld"}}).json()["choices"][0]["message"]["content"]
+    first, second = "t30 t31 t32 t30 t31", "t40 t41 t40 t41"
+    reply = api([{"role": "user", "content": first}])
+    expected = api([{"role": "user", "content": first}, {"role": "assistant", "content": reply},
+                    {"role": "user", "content": second}])
+    browser = _browser()
+    try:
+        browser.get(f"{chat_server.url}/?max_tokens=24&temperature=0")
+        assert browser.find_element("id", "prompt-label").text == "Message"
+        assert not browser.find_element("id", "api-key").is_displayed()
+        for message in (first, second):
+            browser.execute_script("document.getElementById('prompt').value = arguments[0];", message)
+            browser.find_element("id", "send").click()
+            _wait(browser, "document.querySelector('#completion[data-done]') !== null")
+            texts = browser.execute_script(
+                "return [...document.querySelectorAll('.turn.assistant .text')].map(t => t.textContent);")
+            browser.execute_script("document.getElementById('completion').removeAttribute('id');")
+        assert texts == [reply, expected]
+    finally:
+        browser.quit()
