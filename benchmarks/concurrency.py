@@ -85,6 +85,7 @@ def stream_one(url: str, model: str, prompt: str, max_tokens: int, temperature: 
     start = time.monotonic()
     first = None
     tokens = None
+    spec = None  # ours: what the speculation did (methods run, τ, the load rule's budgets)
     pieces = []
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=900) as reply:
@@ -101,13 +102,14 @@ def stream_one(url: str, model: str, prompt: str, max_tokens: int, temperature: 
                     pieces.append(choices[0]["text"])
                 if chunk.get("usage"):
                     tokens = chunk["usage"].get("completion_tokens")
+                    spec = chunk.get("speculative_decoding") or spec
                 elif chunk.get("timings") and tokens is None:
                     tokens = chunk["timings"].get("predicted_n")
     except httpx.HTTPError as exc:
         return {"error": repr(exc)}
     end = time.monotonic()
     return {"start": start, "end": end, "ttft_s": (first or end) - start, "wall_s": end - start,
-            "tokens": tokens, "text": "".join(pieces)}
+            "tokens": tokens, "text": "".join(pieces), "speculative_decoding": spec}
 
 
 def burst(contender: Contender, model: str, prompts: list[str], clients: int, args, seed0: int) -> dict:
@@ -130,7 +132,8 @@ def burst(contender: Contender, model: str, prompts: list[str], clients: int, ar
     return {"contender": contender.name, "clients": clients, "errors": clients - len(ok), "tokens": tokens,
             "wall_s": wall, "aggregate_tps": tokens / wall if ok else 0.0,
             "stream_tps": [r["tokens"] / r["wall_s"] for r in ok if r["tokens"]],
-            "ttft_s": [r["ttft_s"] for r in ok], "missing_usage": sum(r["tokens"] is None for r in ok)}
+            "ttft_s": [r["ttft_s"] for r in ok], "missing_usage": sum(r["tokens"] is None for r in ok),
+            "speculative_decoding": [r["speculative_decoding"] for r in ok]}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -151,8 +154,19 @@ def summarize(bursts: list[dict]) -> list[dict]:
                      "aggregate_tps_pooled": sum(b["tokens"] for b in mine) / sum(b["wall_s"] for b in mine),
                      "stream_tps_median": statistics.median([s for b in mine for s in b["stream_tps"]] or [0]),
                      "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95),
-                     "missing_usage": sum(b["missing_usage"] for b in mine)})
+                     "missing_usage": sum(b["missing_usage"] for b in mine),
+                     "method_steps": _method_steps(mine)})
     return rows
+
+
+def _method_steps(bursts: list[dict]) -> dict[str, int] | None:
+    """Our server's verification steps by method over the bursts' streams (``auto``: the candidates
+    it ran); ``None`` for a peer that does not report them."""
+    steps: dict[str, int] = {}
+    for spec in (s for b in bursts for s in b.get("speculative_decoding", []) if s):
+        for method, n in spec.get("method_steps") or []:  # runs of [method, steps], in order
+            steps[method] = steps.get(method, 0) + n
+    return steps or None
 
 
 def markdown(summary: dict) -> str:
@@ -171,6 +185,10 @@ def markdown(summary: dict) -> str:
         lines.append(f"| {r['clients']} | {r['contender']} | {r['aggregate_tps_median']:.1f} | "
                      f"{r['aggregate_tps_pooled']:.1f} | {ratio} | {r['stream_tps_median']:.1f} | {r['ttft_p50_s']:.2f} | "
                      f"{r['ttft_p95_s']:.2f} | {r['errors']} |")
+    ran = [f"{r['contender']} at {r['clients']} clients: " + ", ".join(f"{m} {n}" for m, n in r["method_steps"].items())
+           for r in rows if r.get("method_steps")]
+    if ran:
+        lines += ["", "Our verification steps by method (all streams):", ""] + [f"- {line}" for line in ran]
     lines += ["", "Commands:", ""] + [f"- {name}: `{command}`" for name, command in summary["commands"].items()]
     return "\n".join(lines) + "\n"
 
