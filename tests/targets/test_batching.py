@@ -11,6 +11,7 @@ leaves the others' tokens alone; a sampled request among others is distributed a
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -402,3 +403,9 @@ def test_concurrent_requests_to_a_batching_server_get_their_own_text(batched_ser
     assert health["running"] == 0 and health["waiting"] == 0
     metrics = httpx.get(f"{url}/metrics").text
     assert "specwise_batch_size_bucket" in metrics and "specwise_draft_budget_bucket" in metrics
+    # the pool: its size, nothing reserved once every request has ended, finished prompts kept for reuse
+    assert f'specwise_kv_cells{{state="total"}} {float(target.max_context)}' in metrics
+    assert 'specwise_kv_cells{state="reserved"} 0.0' in metrics and 'specwise_kv_caches{state="reserved"} 0.0' in metrics
+    kept = float(re.search(r"^specwise_prefix_kept_tokens (\S+)$", metrics, re.M).group(1))
+    assert kept == target.kept_tokens > 0
+    assert "specwise_prefix_reused_tokens" in metrics

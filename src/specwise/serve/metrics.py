@@ -35,6 +35,26 @@ class ServerMetrics:
                                     buckets=_BATCH_BUCKETS, registry=r)
         self.draft_budget = Histogram("specwise_draft_budget", "Draft tokens a generation may verify at each "
                                       "capped step (the load rule)", buckets=_BUDGET_BUCKETS, registry=r)
+        # a batching target's shared KV pool (read when scraped; see watch_pool)
+        self.kv_cells = Gauge("specwise_kv_cells", "Cells of the target's KV pool: its size (total), or held by "
+                              "the running generations' reservations (reserved)", ["state"], registry=r)
+        self.kv_caches = Gauge("specwise_kv_caches", "Generation caches (sequence ranges) of the KV pool: its "
+                               "size (total), or held by running generations (reserved)", ["state"], registry=r)
+        self.prefix_kept_tokens = Gauge("specwise_prefix_kept_tokens", "Tokens of finished generations kept in "
+                                        "the KV pool for later prompts that share a prefix", registry=r)
+        self.prefix_reused_tokens = Gauge("specwise_prefix_reused_tokens", "Prompt tokens taken from kept "
+                                          "sequences instead of decoded, since the server started", registry=r)
+
+    def watch_pool(self, target) -> None:
+        """Report ``target``'s KV pool (its ``capacity``) and prefix store (``kept_tokens``,
+        ``reused_tokens``) at each scrape: a target that batches generations in one pool."""
+        capacity = target.capacity
+        self.kv_cells.labels("total").set_function(lambda: capacity.cells)
+        self.kv_cells.labels("reserved").set_function(lambda: capacity.reserved.cells)
+        self.kv_caches.labels("total").set_function(lambda: capacity.caches)
+        self.kv_caches.labels("reserved").set_function(lambda: capacity.reserved.caches)
+        self.prefix_kept_tokens.set_function(lambda: target.kept_tokens)
+        self.prefix_reused_tokens.set_function(lambda: target.reused_tokens)
 
     def record_decision(self, batch_size: int, budget: int) -> None:
         """One step's load-rule decision for one generation (:mod:`specwise.engine.load`)."""

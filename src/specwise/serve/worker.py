@@ -235,6 +235,7 @@ class GenerationWorker:
             log.warning("constrained output is not available on %s: %s", getattr(self.target, "name", "the target"), exc)
         if self.max_batch > 1:
             self._load = batch_load(self.target, on_decision=self.metrics.record_decision)
+            self.metrics.watch_pool(self.target)
         elif any(method != "ar" for method in self.methods):
             verify_costs(self.target)  # the cost model's v(n): now, not inside the first request
         for drafter in self._drafters.values():  # auto's first measurement (greedy), once per machine:

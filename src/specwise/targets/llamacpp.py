@@ -674,6 +674,12 @@ class LlamaCppTarget:
         return self._batcher.members
 
     @property
+    def kept_tokens(self) -> int:
+        """Tokens the pool keeps of finished generations, for later prompts that share a prefix
+        (bounded: one committed sequence per free generation range, at most :data:`GENERATIONS`)."""
+        return sum(len(tokens) for tokens in list(self._kept.values()))
+
+    @property
     def batch_rounds(self) -> int:
         """Batched rounds run so far (one per step of the batch's members)."""
         return self._batcher.rounds
