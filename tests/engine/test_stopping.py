@@ -230,6 +230,17 @@ def test_streamer_is_told_where_each_token_came_from():
     assert {step.method for step in steps[1:]} == {result.stats.method}
 
 
+def test_the_step_that_ends_on_eos_says_so():
+    prompt, continuation = prompt_with_new_token_at(7, 20)
+    target = make_target("llama", eos=[continuation[7]])
+    steps: list[StepTokens] = []
+    result = specwise.generate(target, list(prompt), drafter=OracleDrafter(continuation, len(prompt), 3),
+                               max_new_tokens=12, streamer=steps.append)
+    assert result.stop_reason == "eos"
+    assert [step.ended_on_eos for step in steps] == [False] * (len(steps) - 1) + [True]
+    assert steps[-1][-1] == result.token_ids[-1] == continuation[7]
+
+
 def test_step_origins_put_forced_tokens_first():
     assert step_origins(accepted=3, forced=2, committed=4) == ("forced", "forced", "draft", "target")
     assert step_origins(accepted=0, forced=0, committed=1) == ("target",)

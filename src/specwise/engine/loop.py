@@ -30,7 +30,6 @@ from specwise.engine.sampling import SamplingConfig
 from specwise.engine.step import verify_chain, verify_proposal
 from specwise.engine.stopping import StoppingRules
 from specwise.engine.types import (
-    TARGET,
     DraftContext,
     GenerationResult,
     Proposal,
@@ -130,8 +129,8 @@ def speculative_generate(
                                        room=cells - cache.length)
                 t2, new = clock.now(), step.accepted + [step.next_token]
                 committed[length: length + len(new)], length = torch.tensor(new, dtype=torch.long), length + len(new)
-                commit(new, step.emitted_logits, step_origins(len(step.accepted), forced, len(new)),
-                       drafter.active_method(state), step.num_drafted)
+                commit(new, step.emitted_logits, len(step.accepted), forced, drafter.active_method(state),
+                       step.num_drafted)
                 _record_step(stats, step, drafter.active_method(state), t1 - t0, t2 - t1, load, proposal)
                 # 5. tell the drafter what was accepted
                 drafter.observe(state, StepFeedback(committed[:length], step.num_drafted, len(step.accepted),
@@ -200,8 +199,10 @@ class _Commit:
     top_logprobs: int | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
-    def __call__(self, new: list[int], logits: torch.Tensor | None, origins: Sequence[str] = (TARGET,),
+    def __call__(self, new: list[int], logits: torch.Tensor | None, accepted: int = 0, forced: int = 0,
                  method: str | None = None, drafted: int = 0) -> None:
+        """Commit a step's ``new`` tokens: ``accepted`` of them drafts (the first ``forced`` of those
+        forced by the grammar), then the target's; ``drafted``: the drafts the step verified."""
         complete = False
         if self.constraint is not None:
             new = new[: self.constraint.advance(new)]
@@ -211,7 +212,9 @@ class _Commit:
         emitted = self.output.commit(new)
         if complete:
             self.output.end("grammar")
-        _stream(StepTokens(emitted, origins, method, drafted), self.streamer)
+        if self.streamer is not None:  # where each token came from is worked out only for a streamer
+            self.streamer(StepTokens(emitted, step_origins(accepted, forced, len(emitted)), method, drafted,
+                                     ended_on_eos=self.output.stop_reason == "eos"))
 
 
 def _budget(room: int, load: LoadShare | None, method: str, drafts: bool = True) -> tuple[int, int]:
@@ -251,7 +254,3 @@ def _first_path(proposal: Proposal) -> list[int]:
             node = i + 1
     return path
 
-
-def _stream(emitted: list[int], streamer: Callable[[list[int]], None] | None) -> None:
-    if streamer:
-        streamer(emitted)

@@ -341,7 +341,6 @@ class GenerationResult:
         return {"stop_string": "stop", "grammar": "stop"}.get(self.stop_reason, self.stop_reason)
 
 
-
 #: where a committed token came from (:class:`StepTokens`)
 DRAFTED, TARGET, FORCED = "draft", "target", "forced"
 
@@ -357,14 +356,17 @@ class StepTokens(list):
         method: the method that drafted the step (``auto``: the candidate it ran), ``None`` for the
             first token.
         drafted: draft tokens the step verified (a tree's nodes; grammar-forced ones included).
+        ended_on_eos: the last token is the EOS (or end of turn) that ended the generation, which
+            the text leaves out.
     """
 
-    def __init__(self, tokens: list[int], origins: Sequence[str], method: str | None = None, drafted: int = 0) -> None:
+    def __init__(self, tokens: list[int], origins: Sequence[str], method: str | None = None, drafted: int = 0,
+                 ended_on_eos: bool = False) -> None:
         super().__init__(tokens)
         if len(origins) < len(tokens):
             raise ValueError(f"{len(tokens)} tokens need as many origins, got {len(origins)}")
         self.origins = tuple(origins[: len(tokens)])
-        self.method, self.drafted = method, drafted
+        self.method, self.drafted, self.ended_on_eos = method, drafted, ended_on_eos
 
 
 def step_origins(accepted: int, forced: int, committed: int) -> tuple[str, ...]:

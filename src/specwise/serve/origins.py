@@ -5,7 +5,7 @@ A step's tokens arrive as :class:`specwise.engine.types.StepTokens` (ids with th
 token is decoded on its own window of the text so far (:class:`specwise.engine.stopping.IncrementalText`),
 so the spans' texts, joined, are the generation's text with special tokens kept; a token that ends
 mid-character has no span of its own (the token completing the character carries it), and the
-token that ended the generation (an EOS or end of turn) none.
+EOS or end of turn that ended the generation (``StepTokens.ended_on_eos``) none, as in the text.
 """
 
 from __future__ import annotations
@@ -20,21 +20,19 @@ class TokenSpans:
     """One generation's tokens as text spans, step by step.
 
     Args:
-        target: the generation's target (its ``decode`` and its end-of-generation token ids).
+        target: the generation's target (its ``decode``).
     """
 
     def __init__(self, target) -> None:
         self._text = IncrementalText(functools.partial(target.decode, special_tokens=True))
-        self._ends = frozenset(target.eos_token_ids) | frozenset(getattr(target, "end_of_turn_ids", ()) or ())
 
     def step(self, tokens: StepTokens) -> dict:
         """``{"method", "drafted", "tokens": [{"text", "origin"}, ...]}`` for one step's tokens
         (``origin``: ``"draft"``, ``"target"`` or ``"forced"``; ``drafted``: the draft tokens the
         step verified; ``method``: the method that drafted it, ``None`` for the first token)."""
         spans = []
-        for token, origin in zip(tokens, tokens.origins):
-            if token in self._ends:
-                continue
+        shown = len(tokens) - 1 if tokens.ended_on_eos else len(tokens)
+        for token, origin in zip(tokens[:shown], tokens.origins):
             piece = self._text.extend([token])
             if piece:
                 spans.append({"text": piece, "origin": origin})
