@@ -126,6 +126,7 @@ METHODS = {
     "pld": dict(method="pld", min_ngram_size=1),
     "eos-drafts": dict(drafter=lambda target: EndDrafter(target.vocab_size, 2, seed=2)),
     "lookahead": dict(method="lookahead"),
+    "suffix": dict(method="suffix"),
     "draft": dict(drafter=_draft_lm),
     "random": dict(drafter=lambda target: RandomDrafter(target.vocab_size, 4, seed=1)),
     "prediction": dict(method="ar", prediction='{"name":"the cat","ok":true,"n":7}'),

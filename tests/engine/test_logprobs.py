@@ -48,8 +48,9 @@ def _draft(target):
 
 
 @pytest.mark.parametrize("options", [dict(method="ar"), dict(method="pld", min_ngram_size=1), dict(method="lookahead"),
-                                     dict(drafter=_draft), dict(method="ar", prediction="the cat is on the mat.")],
-                         ids=["ar", "pld", "lookahead", "draft", "prediction"])
+                                     dict(method="suffix"), dict(drafter=_draft),
+                                     dict(method="ar", prediction="the cat is on the mat.")],
+                         ids=["ar", "pld", "lookahead", "suffix", "draft", "prediction"])
 @pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.8, top_k=20, seed=3)], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("constrained", [False, True])
 def test_logprobs_are_the_targets_own_at_every_token(target, options, sampling, constrained):

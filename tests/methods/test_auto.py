@@ -257,7 +257,7 @@ def test_auto_over_the_default_candidates_is_greedy_exact_on_the_real_clock():
     result = specwise.generate(target, prompt, method="auto", max_new_tokens=NEW, decide_every=4)
     assert result.token_ids == reference.token_ids
     assert sum(n for _, n in result.stats.method_steps) == result.stats.target_forwards - 1
-    assert {m for m, _ in result.stats.method_steps} <= {"ar", "pld", "lookahead"}  # no trained drafter ships
+    assert {m for m, _ in result.stats.method_steps} <= {"ar", "pld", "suffix", "lookahead"}  # no trained drafter ships
 
 
 def test_plain_methods_report_their_own_steps():
@@ -355,7 +355,7 @@ def test_the_default_candidates_come_from_the_registry(monkeypatch):
     assert "auto" not in default_candidates() and default_candidates()[0] == "ar"
     assert {"pld", "lookahead", "draft", "eagle", "medusa", "dflash"} <= set(default_candidates())
     ar = METHODS.get("ar")
-    monkeypatch.setitem(METHODS._specs, "echo", MethodSpec("echo", ar.config_cls, ar.factory, "test only", order=15))
+    monkeypatch.setitem(METHODS._specs, "echo", MethodSpec("echo", ar.config_cls, ar.factory, "test only", order=11))
     monkeypatch.setitem(METHODS._specs, "hidden", MethodSpec("hidden", ar.config_cls, ar.factory, "test only",
                                                               auto_candidate=False))
     assert default_candidates()[:3] == ["ar", "pld", "echo"] and "hidden" not in default_candidates()
@@ -368,7 +368,7 @@ def test_under_the_cost_model_prompt_lookup_stands_in_for_plain_decoding():
     prompt = repetitive_prompt(40)
     reference = specwise.generate(target, prompt, method="ar", max_new_tokens=NEW)
     auto = specwise.build_drafter(target, "auto", remember=False, decide_every=4)
-    assert auto.unmeasured("greedy") == ["pld", "lookahead"]
+    assert auto.unmeasured("greedy") == ["pld", "suffix", "lookahead"]
     for _ in range(2):
         result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW, draft_budget="measured")
         assert result.token_ids == reference.token_ids

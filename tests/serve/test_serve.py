@@ -31,7 +31,7 @@ openai = pytest.importorskip("openai")
 KEY = "sk-test-key"
 CHAT_TEMPLATE = ("{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}"
                  "{% if add_generation_prompt %}t5 {% endif %}")
-METHODS = ("ar", "pld", "lookahead", "auto")
+METHODS = ("ar", "pld", "lookahead", "suffix", "auto")
 PROMPT = "t9 t17 t33 t9 t17 t40 t51"
 LONG_PROMPT = "t6 t46 t39 t36 t24 t107 t83"  # its greedy continuation meets no EOS in 500 tokens
 
@@ -326,6 +326,33 @@ def test_malformed_json_oversize_body_and_keys(server):
     assert server.healthy()
 
 
+def test_each_api_key_drafts_only_from_its_own_earlier_requests(model_dir, target):
+    """Two keys, two tenants: a request repeated by the same tenant drafts from its first output
+    (fewer target forwards); the other tenant's first request of the same prompt does not; the
+    texts are the same and equal ``generate``'s."""
+    server = Server(model_dir, "--method", "suffix", "--api-key", "key-a", "--api-key", "key-b",
+                    "--draft-budget", "fixed")
+    try:
+        def ask(key: str) -> dict:
+            response = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                  json={"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 48, "temperature": 0},
+                                  timeout=60)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        first, again, other = ask("key-a"), ask("key-a"), ask("key-b")
+        text, _ = _local(target, prompt=LONG_PROMPT, max_new_tokens=48, method="ar")
+        assert first["choices"][0]["text"] == again["choices"][0]["text"] == other["choices"][0]["text"] == text
+        forwards = [r["speculative_decoding"]["target_forwards"] for r in (first, again, other)]
+        assert forwards[1] < forwards[0] and forwards[1] < forwards[2], forwards
+        for body in ({"scope": "x"}, {"index_tokens": 8}):
+            response = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": "Bearer key-a"},
+                                  json={"model": "tiny", "prompt": PROMPT, "speculative": {"options": body}})
+            assert response.status_code == 400 and "cannot be set per request" in response.text
+    finally:
+        server.stop()
+
+
 def test_a_chat_request_to_a_target_without_a_template_is_a_clear_400(tmp_path_factory):
     path = tmp_path_factory.mktemp("no-template") / "tiny"
     make_model("llama").save_pretrained(path)
@@ -454,7 +481,8 @@ def test_every_numeric_option_is_settable_per_request_and_no_path(method):
     allowed = request_options(method)
     for field in dataclasses.fields(config_cls):
         declared = {a for a in typing.get_args(hints[field.name]) if a is not type(None)} or {hints[field.name]}
-        if field.name == "acceptance" or declared & {str}:  # the lossy rule; a path or free text
+        # the lossy rule; a path or free text; what only the server sets (memory bounds, tenants)
+        if field.name == "acceptance" or declared & {str} or field.name in config_cls.SERVER_OPTIONS:
             assert field.name not in allowed, field.name
             with pytest.raises(ApiError, match="cannot be set per request"):
                 check_request_options(method, {field.name: "x"})

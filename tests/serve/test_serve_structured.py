@@ -22,7 +22,7 @@ pytest.importorskip("llguidance")
 KEY = "sk-test-key"
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
                  "{% if add_generation_prompt %}:{% endif %}")
-METHODS = ("ar", "pld", "lookahead")
+METHODS = ("ar", "pld", "lookahead", "suffix")
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "ok": {"type": "boolean"}},
           "required": ["name", "ok"], "additionalProperties": False}
 FORMATS = {

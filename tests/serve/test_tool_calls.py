@@ -47,7 +47,7 @@ TOOLS = [
 ]
 SCHEMAS = {"get_weather": WEATHER, "now": {"type": "object", "properties": {}, "additionalProperties": False}}
 MESSAGES = [{"role": "user", "content": "the weather in Paris?"}]
-METHODS = ("ar", "pld", "lookahead")
+METHODS = ("ar", "pld", "lookahead", "suffix")
 #: the tiny vocabulary with a newline, which a <tool_call> block needs
 PIECES = TEXT_PIECES + ("\n",)
 

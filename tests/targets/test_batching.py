@@ -242,7 +242,7 @@ def assert_same_up_to_near_ties(target, prompts, many, truth, margin=1e-3):
         assert float(top.values[0] - top.values[1]) < margin, f"diverged at {first} on a clear choice"
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "lookahead"])
+@pytest.mark.parametrize("method", ["ar", "pld", "lookahead", "suffix"])
 def test_a_batch_gives_each_prompt_its_own_greedy_tokens(target, method):
     kwargs = dict(method=method, max_new_tokens=36)
     many = specwise.generate_many(target, PROMPTS, max_batch=4, **kwargs)  # 8 prompts, 4 at a time: joins and leaves

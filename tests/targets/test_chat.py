@@ -40,7 +40,7 @@ def test_the_end_of_turn_token_is_read_from_the_template():
     assert end_of_turn_ids(make_target("llama").tokenizer) == frozenset()  # no template, no guess
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "lookahead"])
+@pytest.mark.parametrize("method", ["ar", "pld", "lookahead", "suffix"])
 def test_a_chat_stops_at_the_end_of_turn_token_and_matches_the_raw_prompt(method):
     probe = chat_target()
     prompt = probe.encode_chat(MESSAGES)

@@ -68,7 +68,7 @@ def test_plain_decoding_through_the_loop_is_the_engines_own(target):
     assert specwise.generate(target, PROMPT, method="ar", max_new_tokens=NEW).token_ids == truth
 
 
-@pytest.mark.parametrize("method", ["pld", "lookahead"])
+@pytest.mark.parametrize("method", ["pld", "lookahead", "suffix"])
 def test_training_free_methods_are_greedy_exact(target, method):
     truth, _ = plain_greedy(target, PROMPT, NEW)
     result = specwise.generate(target, PROMPT, method=method, max_new_tokens=NEW)
@@ -165,7 +165,7 @@ def test_auto_runs_the_candidates_this_engine_can(target):
     truth, _ = plain_greedy(target, PROMPT, NEW)
     result = specwise.generate(target, PROMPT, method="auto", max_new_tokens=NEW, remember=False)
     assert result.token_ids == truth
-    assert {method for method, _ in result.stats.method_steps} <= {"ar", "pld", "lookahead"}
+    assert {method for method, _ in result.stats.method_steps} <= {"ar", "pld", "suffix", "lookahead"}
 
 
 @pytest.mark.parametrize("draft_file", ["same", "other"])

@@ -132,7 +132,7 @@ def test_the_fake_target_implements_the_interface(target):
     assert isinstance(target, DecodingTarget) and isinstance(target.new_cache(), TargetCache)
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "lookahead"])
+@pytest.mark.parametrize("method", ["ar", "pld", "lookahead", "suffix"])
 def test_every_method_without_hidden_states_is_greedy_exact_on_a_target_that_is_no_torch_model(target, method):
     truth = target.greedy(PROMPT, NEW)
     result = specwise.generate(target, PROMPT, method=method, max_new_tokens=NEW)

@@ -117,6 +117,9 @@ class MethodConfig(metaclass=_RenamedOptions):
     #: (every table names ``"torch"``, the value for an engine it does not name): such an option
     #: defaults to ``None`` and :meth:`for_engine` fills it in
     ENGINE_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: options only whoever runs the server sets, never a request (memory bounds, whose data a
+    #: drafter reads): the server leaves them out of what ``speculative.options`` may set
+    SERVER_OPTIONS: ClassVar[frozenset[str]] = frozenset()
 
     def for_engine(self, engine: str) -> "MethodConfig":
         """These options with every engine-dependent one left ``None`` set to ``engine``'s default

@@ -11,6 +11,7 @@ Server-Sent Events (:mod:`specwise.serve.responses`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
 from contextlib import asynccontextmanager
@@ -44,7 +45,9 @@ class ServerConfig:
         model: the model id clients name (``/v1/models``).
         default_method: the method of a request that names none.
         methods: the methods a request may choose (``speculative.method``); ``default_method`` first.
-        api_key: required as ``Authorization: Bearer KEY`` on ``/v1/*`` when set.
+        api_key: required as ``Authorization: Bearer KEY`` on ``/v1/*`` when set; several keys
+            (a tuple) are several tenants, each drafting only from its own requests' text
+            (:func:`tenant_of`).
         max_queue: requests that may wait behind the running ones; beyond, 503 with ``Retry-After``.
         max_batch: generations running at once where the target batches them (the llama.cpp
             engine); 1 runs one at a time, as the torch engine always does (docs/serve.md).
@@ -61,7 +64,7 @@ class ServerConfig:
     model: str
     default_method: str = "ar"
     methods: tuple[str, ...] = ("ar",)
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None
     max_queue: int = 64
     max_batch: int = 8
     max_tokens_cap: int = 2048
@@ -154,7 +157,8 @@ class Service:
             ApiError: the request is refused (answered by the error handlers).
         """
         endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-        prepared = await asyncio.to_thread(prepare, self.target, body, chat, self.limits)
+        tenant = request.scope.get("state", {}).get(TENANT, "")
+        prepared = await asyncio.to_thread(prepare, self.target, body, chat, self.limits, tenant)
         job = Job(prepared.request_id, prepared.kwargs, prepared.method, prepared.options, deadline=float("inf"),
                   loop=asyncio.get_running_loop(), stream=body.stream, user=body.user,
                   prompt_tokens=prepared.prompt_tokens, origins=bool(body.speculative and body.speculative.origins))
@@ -254,19 +258,35 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 _ENDPOINTS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
 
 
-class _ApiKey:
-    """401 with OpenAI's error JSON on ``/v1/*`` without the right ``Authorization: Bearer KEY``,
-    decided from the headers alone, before the body is read or checked."""
+#: the request scope's ``state`` entry naming the request's tenant (:func:`tenant_of`)
+TENANT = "specwise.tenant"
 
-    def __init__(self, app, api_key: str | None, metrics: ServerMetrics) -> None:
-        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+def tenant_of(key: str) -> str:
+    """The tenant an API key stands for: a digest of the key (never the key itself, which then
+    appears in no drafter option, log or metric)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class _ApiKey:
+    """401 with OpenAI's error JSON on ``/v1/*`` without a right ``Authorization: Bearer KEY``,
+    decided from the headers alone, before the body is read or checked; the key's tenant
+    (:func:`tenant_of`) is put in the request's state."""
+
+    def __init__(self, app, api_key: str | tuple[str, ...] | None, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+        self.api_keys = (api_key,) if isinstance(api_key, str) else api_key
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or self.api_key is None or not scope.get("path", "").startswith("/v1/"):
+        if scope["type"] != "http" or self.api_keys is None or not scope.get("path", "").startswith("/v1/"):
             return await self.app(scope, receive, send)
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, key = header.partition(" ")
-        if scheme.lower() == "bearer" and secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
+        given = key.strip().encode()
+        # every key compared, so the time taken does not tell which keys a guess came close to
+        right = [secrets.compare_digest(given, known.encode()) for known in self.api_keys]
+        if scheme.lower() == "bearer" and any(right):
+            scope.setdefault("state", {})[TENANT] = tenant_of(key.strip())
             return await self.app(scope, receive, send)
         error = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'.",
                          kind="authentication_error")

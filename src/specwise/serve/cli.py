@@ -48,7 +48,9 @@ def add_serve_args(p: argparse.ArgumentParser, default_target: str) -> None:
                         "(speculators, SpecForge, z-lab DFlash, Medusa; docs/interop.md), or a draft-model alias")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/*; repeat for several keys, each a tenant "
+                        "whose requests draft only from its own earlier text")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; beyond, 503 (default 64)")
     p.add_argument("--max-batch", type=int, default=8,
                    help="generations running at once on the llama.cpp engine, batched in each forward "
@@ -95,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     target = load_target(args.target, dtype=args.dtype, device=args.device, weights=args.weights,
                          progress=lambda m: print(m, file=sys.stderr, flush=True), engine=engine)
     config = ServerConfig(model=args.model_name or (args.target if known else Path(args.target).name), default_method=default,
-                          methods=tuple(dict.fromkeys(methods)), api_key=args.api_key, max_queue=args.max_queue,
+                          methods=tuple(dict.fromkeys(methods)), api_key=tuple(args.api_key) if args.api_key else None, max_queue=args.max_queue,
                           max_batch=args.max_batch, max_tokens_cap=args.max_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
                           time_limit_s=args.time_limit, default_options=options, draft_budget=args.draft_budget)
     app = create_app(target, config, worker_thread=False)

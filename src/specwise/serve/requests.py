@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specwise.api import compile_response_format, encode_prompt, tool_setup
+from specwise.drafters.base import METHODS
 from specwise.errors import SpecwiseError
 from specwise.serve.protocol import ApiError
 from specwise.serve.worker import check_request_options
@@ -176,7 +177,7 @@ def token_budget(body, chat: bool, prompt_tokens: int, context: int, limits: Lim
     return asked if asked is not None else min(limits.max_tokens_cap, room)
 
 
-def prepare(target, body, chat: bool, limits: Limits) -> Prepared:
+def prepare(target, body, chat: bool, limits: Limits, tenant: str = "") -> Prepared:
     """Check ``body`` once, tokenize it and build its generation (tokenizes: call it off the event loop).
 
     Args:
@@ -185,11 +186,16 @@ def prepare(target, body, chat: bool, limits: Limits) -> Prepared:
             :class:`~specwise.serve.protocol.ChatRequest`.
         chat: whether ``body`` is a chat request.
         limits: the server's :class:`Limits`.
+        tenant: whose request it is (the API key's, :func:`specwise.serve.app.tenant_of`; ``""``
+            without keys): a method that drafts from earlier requests' text draws only on this
+            tenant's (its ``scope`` option).
 
     Raises:
         ApiError: the status and field the client is told.
     """
     method, options = check_request(body, chat, limits)
+    if "scope" in METHODS.get(method).option_names:
+        options["scope"] = tenant
     tools, _ = check_output_format(target, body, chat)
     prompt, prompt_tokens = tokenize(target, body, chat, tools)
     kwargs = {**sampling_kwargs(body), **prompt, "response_format": body.response_format,

@@ -67,7 +67,8 @@ def settable_per_request(annotation) -> bool:
 
 def request_options(method: str) -> frozenset[str]:
     """The options of ``method`` a request may set, read from the declared types of its config's
-    fields (:func:`settable_per_request`), less the lossy acceptance rule.
+    fields (:func:`settable_per_request`), less the lossy acceptance rule and the options only the
+    server sets (``SERVER_OPTIONS`` of the config).
 
     Raises:
         DrafterError: unknown method.
@@ -75,7 +76,7 @@ def request_options(method: str) -> frozenset[str]:
     config_cls = METHODS.get(method).config_cls
     hints = typing.get_type_hints(config_cls)
     return frozenset(f.name for f in dataclasses.fields(config_cls)
-                     if f.name not in LOSSY_OPTIONS and settable_per_request(hints[f.name]))
+                     if f.name not in LOSSY_OPTIONS | config_cls.SERVER_OPTIONS and settable_per_request(hints[f.name]))
 
 
 def check_request_options(method: str, options: dict[str, Any]) -> None:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 
@@ -89,8 +89,13 @@ class AutoConfig(MethodConfig):
     # where each step's drafts are sized by the measured cost model, the candidate that stands in for
     # plain decoding (module docstring); "ar" or a candidate that is not built: plain decoding
     floor: str = "pld"
+    scope: str = ""  # whose earlier text candidates that draft across requests read (suffix's ``scope``)
+
+    SERVER_OPTIONS: ClassVar[frozenset[str]] = frozenset({"scope"})
 
     def __post_init__(self) -> None:
+        if not isinstance(self.scope, str):
+            raise ConfigError(f"scope must be a string, got {self.scope!r}.")
         check_int("decide_every", self.decide_every)
         check_int("probe_steps", self.probe_steps)
         check_probability("margin", self.margin, zero=True, one=False)
@@ -128,6 +133,8 @@ def build_candidates(target, config: AutoConfig) -> dict[str, Drafter]:
     for spec in specs:
         name, options = split_spec(spec)
         method = METHODS.get(name)
+        if "scope" in method.option_names:
+            options = {"scope": config.scope, **options}
         try:
             check_engine(target, method.factory)
             drafter = method.factory(target, method.make_config(**options))

@@ -1,0 +1,1 @@
+"""Suffix decoding: the drafter and its bounded index of token texts (this context's and earlier requests')."""
