@@ -183,3 +183,12 @@ def test_sampled_sequences_follow_the_target_distribution():
     assert 0 < accepted < drafted, "both acceptance and rejection must be exercised"
     assert sum(trees) > 1000, "trees of several branches must be drafted"
     assert_distribution(counts, exact, "suffix sequences")
+
+
+def test_every_auto_generation_feeds_the_index_whichever_candidate_ran():
+    target = make_target("llama", eos=())
+    auto = specwise.build_drafter(target, "auto", candidates="pld,suffix", remember=False)
+    result = specwise.generate(target, random_prompt(12, seed=3), drafter=auto, max_new_tokens=20)
+    held = shared_index(target, SuffixConfig().index_tokens)
+    assert held.tokens() == min(12, SuffixConfig().max_match) + 20
+    assert held.longest_match("", result.token_ids[:6], 2, 32, 4).continuations[0] == result.token_ids[6:10]

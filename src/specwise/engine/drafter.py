@@ -17,6 +17,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+import torch
+
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 
 
@@ -74,3 +76,10 @@ class Drafter(ABC):
 
     def finish(self, state: Any) -> None:
         """The generation ended (its last step, a stop, or an error); ``state`` is used no more."""
+
+    def learn(self, token_ids: torch.Tensor, prompt_length: int) -> None:
+        """A generation on this drafter ended (after :meth:`finish`, however it ended) with
+        ``token_ids`` committed (``[T]`` long: the prompt's ``prompt_length`` tokens, then the
+        output). A drafter that drafts from earlier generations' text keeps what it needs (within
+        its own bounds); the default keeps nothing. Called once per generation, also for a composite
+        drafter's candidates that did not run in it."""

@@ -112,8 +112,8 @@ def speculative_generate(
         stats.target_forwards, stats.prefill_time_s = stats.target_forwards + 1, clock.now() - start
         committed[length], length = first, length + 1
         commit([first], first_logits)
-        with _started(drafter, DraftContext(committed[:length], 0, sampling, generator, cache.length,
-                                            hidden_states, sized=load is not None)) as state:
+        ctx = DraftContext(committed[:length], 0, sampling, generator, cache.length, hidden_states, sized=load is not None)
+        with _started(drafter, ctx, lambda: committed[:length]) as state:
             while output.stop_reason is None:
                 # 1. propose, leaving room for the bonus token
                 room = max_new_tokens - len(output.tokens) - 1
@@ -162,13 +162,15 @@ def _prefilled(target, prompt_ids: torch.Tensor, sampling: SamplingConfig, gener
 
 
 @contextmanager
-def _started(drafter: Drafter, ctx: DraftContext):
-    """The drafter's state for this generation, finished when the block ends, however it ends."""
+def _started(drafter: Drafter, ctx: DraftContext, committed: Callable[[], torch.Tensor]):
+    """The drafter's state for this generation, finished when the block ends, however it ends; the
+    drafter then learns the generation's text (``committed()``: the tokens committed by then)."""
     state = drafter.start(ctx)
     try:
         yield state
     finally:
         drafter.finish(state)
+        drafter.learn(committed(), ctx.token_ids.numel() - 1)
 
 
 def _with_forced(proposal: Proposal, constraint: GrammarState | None, budget: int,

@@ -264,6 +264,12 @@ class AutoDrafter(Drafter):
     def finish(self, state: AutoRun) -> None:
         state.finish()
 
+    def learn(self, token_ids: torch.Tensor, prompt_length: int) -> None:
+        """Every candidate learns the text, whichever ran (suffix decoding's index then holds every
+        ``auto`` generation's output)."""
+        for drafter in self.candidates.values():
+            drafter.learn(token_ids, prompt_length)
+
 
 
 class AutoRun:

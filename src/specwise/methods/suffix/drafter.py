@@ -23,8 +23,9 @@ sampled text.
 
 The shared index is kept on the target (one per target, :func:`specwise.drafters.base.loaded_once`),
 per ``scope`` (the server sets it from the request's API key, so one tenant's text never shapes
-another's drafts), bounded to ``index_tokens`` tokens per scope, oldest text dropped first. A
-generation adds its output to it when it ends. Drafts are deterministic ("delta") proposals and
+another's drafts), bounded to ``index_tokens`` tokens per scope, oldest text dropped first. Every
+generation on a ``suffix`` drafter, or on ``auto`` with ``suffix`` among its candidates (whichever
+candidate ran), adds its output to it when it ends (:meth:`SuffixDrafter.learn`). Drafts are deterministic ("delta") proposals and
 only proposals: what the index holds changes how fast a text is written, never the text.
 """
 
@@ -75,12 +76,10 @@ class SuffixConfig(MethodConfig):
 
 @dataclass
 class SuffixState:
-    """One generation's own index (its context, one text grown as tokens are committed) and how
-    much of the prompt it began with."""
+    """One generation's own index: its context, one text grown as tokens are committed."""
 
     own: SuffixIndex
     text: int  # the context's text id in ``own``
-    prompt_length: int
     known: int  # tokens of the context in ``own``
 
 
@@ -159,7 +158,7 @@ class SuffixDrafter(Drafter):
     def _new_state(self, token_ids: torch.Tensor) -> SuffixState:
         tokens = token_ids.tolist()
         own = SuffixIndex(max(len(tokens), getattr(self.target, "max_context", 0) or 0, 1))
-        return SuffixState(own, own.add(tokens), prompt_length=len(tokens) - 1, known=len(tokens))
+        return SuffixState(own, own.add(tokens), known=len(tokens))
 
     def _sync(self, state: SuffixState, token_ids: torch.Tensor) -> list[int]:
         """The context as a list, the generation's own index grown to hold all of it."""
@@ -218,10 +217,10 @@ class SuffixDrafter(Drafter):
     def observe(self, state: SuffixState, feedback: StepFeedback) -> None:
         self._sync(state, feedback.token_ids)
 
-    def finish(self, state: SuffixState) -> None:
-        if self.shared is None:
+    def learn(self, token_ids: torch.Tensor, prompt_length: int) -> None:
+        """Keep the generation's output, with the end of its prompt (so a match across the seam is
+        found), in the shared index of this drafter's scope."""
+        if self.shared is None or token_ids.numel() <= prompt_length + 1:
             return
-        context = state.own.text(state.text)
-        output_start = max(0, state.prompt_length - self.config.max_match)  # a little of the prompt: matches across the seam
-        if len(context) > state.prompt_length + 1:
-            self.shared.add(self.config.scope, context[output_start:])
+        start = max(0, prompt_length - self.config.max_match)
+        self.shared.add(self.config.scope, token_ids[start:].tolist())
