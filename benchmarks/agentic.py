@@ -46,6 +46,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from concurrency import Contender, free_port  # noqa: E402
 
+from specwise.drafters.spec import split_spec, split_specs  # noqa: E402
 from specwise.prompts import PromptRecord, is_held_out, load_prompts  # noqa: E402
 from specwise.targets.loading import gguf_file  # noqa: E402
 
@@ -204,10 +205,16 @@ def run_conversation(conversation: dict, ours: dict, model: str, llamas: dict, t
         else:
             messages.append({"role": "user", "content": turn["user"]})
         results = {}
-        for name, url in ours.items():
-            results[name] = ask_ours(url, model, messages, turn, tools, max_tokens)
-        for name, url in llamas.items():
-            results[name] = ask_llama(url, target, messages, turn, tools, max_tokens)
+        # the order rotates turn by turn, so no contender always runs first (this machine's speed
+        # drifts over minutes; a fixed order would favour whoever meets the faster stretch)
+        order = [(name, url, True) for name, url in ours.items()] + [(name, url, False) for name, url in llamas.items()]
+        shift = (len(conversation["id"]) + index) % len(order)
+        for name, url, mine in order[shift:] + order[:shift]:
+            if mine:
+                results[name] = ask_ours(url, model, messages, turn, tools, max_tokens)
+            else:
+                results[name] = ask_llama(url, target, messages, turn, tools, max_tokens)
+        results = {name: results[name] for name, _, _ in order}
         reference = results[next(iter(ours))]
         for name, result in results.items():
             same = None
@@ -251,9 +258,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--llama-server", type=Path, required=True)
-    parser.add_argument("--methods", default="ar,suffix,auto",
+    parser.add_argument("--methods", default="ar,suffix,auto,auto[floor=suffix]",
                         help="our methods, a server each at its defaults; the first is the reference")
-    parser.add_argument("--spec-types", default="none,ngram-mod,ngram-cache,ngram-map-k",
+    parser.add_argument("--spec-types", default="none,ngram-mod,ngram-map-k,ngram-simple",
                         help="llama-server configurations: its plain decoding (none) and --spec-type values")
     parser.add_argument("--conversations", type=int, default=2, help="per kind")
     parser.add_argument("--tune", action="store_true", help="the tuning split instead of the held-out one")
@@ -271,12 +278,15 @@ def main() -> None:
     gguf = gguf_file(args.target)
     target = specwise.load_target(args.target, engine="llamacpp")
     servers, ours, llamas = {}, {}, {}
-    for method in args.methods.split(","):  # a server each, so each keeps its own conversation's prefix
+    for spec in split_specs(args.methods):  # a server each, so each keeps its own conversation's prefix
         port = free_port()
-        name = f"specwise {method}"
+        method, options = split_spec(spec)
+        name = f"specwise {spec}"
+        flags = [item for key, value in options.items() for item in ("--option", f"{key}={value}")]
         servers[name] = Contender(name, [sys.executable, "-m", "specwise.cli", "serve", "--target", args.target,
                                          "--engine", "llamacpp", "--port", str(port), "--log-level", "warning",
-                                         "--method", method], port, args.out / f"specwise-{method}.log")
+                                         "--method", method, *flags], port,
+                                  args.out / f"specwise-{len(servers)}-{method}.log")
         ours[name] = servers[name].url
     for spec in args.spec_types.split(","):
         port = free_port()
@@ -290,6 +300,10 @@ def main() -> None:
     try:
         for server in servers.values():
             server.wait()
+        # each server's first request pays what later ones do not (auto measures its candidates on
+        # built-in texts once per machine, llama.cpp warms up): one short exchange first, not counted
+        warm = {"turns": [{"user": "Write a haiku about the sea.", "turn": "prose"}], "id": "warm-up", "kind": "warm-up"}
+        run_conversation(warm, ours, args.target, llamas, target, 32)
         with done_path.open("a") as out:
             for conversation in conversations:
                 if conversation["id"] in done:

@@ -79,12 +79,13 @@ def test_scopes_are_kept_apart_and_bounded():
 def test_the_tree_is_grown_most_probable_path_first():
     votes = [[1, 2, 3], [1, 2, 4], [1, 5], [7]]
     # 1: 3/4, then 1-2: 1/2, then 7, 1-5, 1-2-3, 1-2-4: 1/4 each (ties in the order they were found)
-    assert draft_tree(votes, 10, 5, 0.1) == ([1, 2, 7, 5, 3, 4], [0, 1, 0, 1, 2, 2])
-    assert draft_tree(votes, 3, 5, 0.1) == ([1, 2, 7], [0, 1, 0])
-    assert draft_tree(votes, 10, 1, 0.1) == ([1, 7], [0, 0])
-    assert draft_tree(votes, 10, 5, 0.5) == ([1, 2], [0, 1])
-    assert draft_tree([[4, 5, 6]], 10, 2, 0.1) == ([4, 5], [0, 1])
-    assert draft_tree([], 10, 5, 0.1) == ([], []) and draft_tree(votes, 0, 5, 0.1) == ([], [])
+    assert draft_tree(votes, 10, 5, 0.1) == ([1, 2, 7, 5, 3, 4], [0, 1, 0, 1, 2, 2], [0.75, 0.5] + [0.25] * 4)
+    assert draft_tree(votes, 3, 5, 0.1)[:2] == ([1, 2, 7], [0, 1, 0])
+    assert draft_tree(votes, 10, 1, 0.1)[:2] == ([1, 7], [0, 0])
+    assert draft_tree(votes, 10, 5, 0.5)[:2] == ([1, 2], [0, 1])
+    assert draft_tree(votes, 10, 5, 0.5).expected_accepted == 1.25
+    assert draft_tree([[4, 5, 6]], 10, 2, 0.1) == ([4, 5], [0, 1], [1.0, 1.0])
+    assert draft_tree([], 10, 5, 0.1).tokens == [] and draft_tree(votes, 0, 5, 0.1).tokens == []
 
 
 @pytest.mark.parametrize("options", [
@@ -192,3 +193,29 @@ def test_every_auto_generation_feeds_the_index_whichever_candidate_ran():
     held = shared_index(target, SuffixConfig().index_tokens)
     assert held.tokens() == min(12, SuffixConfig().max_match) + 20
     assert held.longest_match("", result.token_ids[:6], 2, 32, 4).continuations[0] == result.token_ids[6:10]
+
+
+def test_the_tree_more_likely_accepted_is_drafted_then_the_longer_matchs():
+    """This context's match votes one chain; the index's votes are split or unanimous: the tree
+    whose path probabilities sum higher is proposed, on a tie the longer match's."""
+    import torch
+
+    from specwise.engine.sampling import SamplingConfig
+    from specwise.engine.types import DraftContext
+
+    target = make_target("llama", eos=())
+    drafter = SuffixDrafter(target, SuffixConfig(num_draft_tokens=4))
+    context = torch.tensor([7, 8, 9, 20, 21, 1, 2, 30, 31, 1, 2])  # (1, 2) recurs once here, followed by 30 31
+
+    def proposed():
+        state = drafter.start(DraftContext(context, 0, SamplingConfig(), None, len(context) - 1))
+        proposal = drafter.propose(state, DraftContext(context, 4, SamplingConfig(), None, len(context) - 1))
+        return proposal.tokens.tolist(), proposal.parents
+
+    assert proposed() == ([30, 31, 1, 2], None)  # only this context: its chain
+    drafter.shared.add("", [9, 1, 2, 40, 41])
+    drafter.shared.add("", [8, 1, 2, 42, 43])
+    assert proposed() == ([30, 31, 1, 2], None)  # the index's votes are split: this context's wins
+    for _ in range(3):
+        drafter.shared.add("", [31, 1, 2, 44, 45, 46, 47])
+    assert proposed() == ([44, 45, 46, 47], None)  # as likely, from a longer match: the index's

@@ -5,12 +5,14 @@ arXiv 2411.04975), training-free.
 Agents repeat themselves: the same tool calls, schemas, file contents and phrases come back request
 after request and turn after turn. Each step, the context's longest recurring suffix is looked up
 in two indexes (:mod:`specwise.methods.suffix.index`): the generation's own context (prompt and
-output so far) and a shared index of earlier generations' outputs on the same target. The
-occurrences of the longest match found vote for what comes next: their continuations are merged
-into a trie where each node's score is the share of the occurrences that reached its parent and
+output so far) and a shared index of earlier generations' outputs on the same target. In each,
+the occurrences of the longest match found vote for what comes next: their continuations are
+merged into a trie where each node's score is the share of the occurrences that reached its parent and
 went on through it, multiplied along the path (the empirical probability of the path), and the
 draft tree is grown best-first from the root, most probable path first, while a node's path
-probability stays above ``min_probability``. How much is drafted adapts to the evidence: the tree
+probability stays above ``min_probability``. Of the two trees (this context's, the index's), the one
+whose drafts are the more likely accepted by those frequencies (the sum of its path probabilities)
+is verified; on a tie the one from the longer match, then this context's. How much is drafted adapts to the evidence: the tree
 holds at most ``spec_factor`` times the match length tokens in depth (a long match predicts a long
 copy, a short one only a little) and at most the step's budget in nodes, which the measured cost
 model (:mod:`specwise.engine.load`) sets from this generation's acceptance and the batch's load.
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -89,8 +91,24 @@ def shared_index(target, capacity: int) -> SharedSuffixIndex:
     return loaded_once(target, ("suffix-index", capacity), lambda: SharedSuffixIndex(capacity))
 
 
+class VotedTree(NamedTuple):
+    """A draft tree voted by continuations (:func:`draft_tree`): draft i is node i + 1,
+    ``parents[i]`` its parent node (0 = the root, parents before children), ``probabilities[i]``
+    its path's empirical probability."""
+
+    tokens: list[int]
+    parents: list[int]
+    probabilities: list[float]
+
+    @property
+    def expected_accepted(self) -> float:
+        """Drafts accepted in expectation if the continuations' frequencies were the target's: the
+        sum of the path probabilities."""
+        return sum(self.probabilities)
+
+
 def draft_tree(continuations: list[list[int]], max_nodes: int, max_depth: int,
-               min_probability: float) -> tuple[list[int], list[int]]:
+               min_probability: float) -> VotedTree:
     """The draft tree voted by ``continuations``, grown best-first by path probability.
 
     Each continuation is one occurrence's next tokens; a node's probability is the share of the
@@ -104,13 +122,11 @@ def draft_tree(continuations: list[list[int]], max_nodes: int, max_depth: int,
         min_probability: in ``(0, 1]``.
 
     Returns:
-        ``(tokens, parents)``: draft i is node i + 1, ``parents[i]`` its parent node (0 = the
-        root), parents before children.
+        the :class:`VotedTree`.
     """
-    tokens: list[int] = []
-    parents: list[int] = []
+    tree = VotedTree([], [], [])
     if max_nodes <= 0 or max_depth <= 0 or not continuations:
-        return tokens, parents
+        return tree
     # candidates not drafted yet: (-path probability, tie-break, token, parent node, its depth, the
     # continuations through it); a node is drafted when popped, so the budget goes to the most probable
     frontier: list = []
@@ -131,12 +147,13 @@ def draft_tree(continuations: list[list[int]], max_nodes: int, max_depth: int,
                 order += 1
 
     offer(0, 1, 1.0, continuations)
-    while frontier and len(tokens) < max_nodes:
+    while frontier and len(tree.tokens) < max_nodes:
         negative, _, token, parent, depth, group = heapq.heappop(frontier)
-        tokens.append(token)
-        parents.append(parent)
-        offer(len(tokens), depth + 1, -negative, group)
-    return tokens, parents
+        tree.tokens.append(token)
+        tree.parents.append(parent)
+        tree.probabilities.append(-negative)
+        offer(len(tree.tokens), depth + 1, -negative, group)
+    return tree
 
 
 @register_drafter("suffix", SuffixConfig,
@@ -180,32 +197,33 @@ class SuffixDrafter(Drafter):
         low, _ = ngram_sizes(self.config.min_match, None, ctx.sampling.is_greedy)
         high = self.config.max_match
         depth = min(budget, ctx.max_draft_tokens)
-        match = self._best_match(state, context, max(low, 2), high, depth)
-        if match is None:
+        matches = self._matches(state, context, max(low, 2), high, depth)
+        if not matches:
             if low > 1:
                 return Proposal.empty(ids.device)
             chain = find_continuation(ids, budget, 1, 1, True, self.eos_token_ids)  # pld's one-token match
             return Proposal.empty(ids.device) if chain is None else Proposal(chain)
-        depth = min(depth, max(1, int(self.config.spec_factor * match.length)))
-        tokens, parents = draft_tree([self._cut(c) for c in match.continuations], budget, depth,
-                                     self.config.min_probability)
-        if not tokens:
+        # the likelier accepted, then the longer match (the more specific evidence), then this context's
+        tree = max(((self._tree(match, budget, depth), match.length) for match in matches),
+                   key=lambda pair: (pair[0].expected_accepted, pair[1]))[0]
+        if not tree.tokens:
             return Proposal.empty(ids.device)
-        drafts = torch.tensor(tokens, dtype=torch.long, device=ids.device)
-        if all(parent == i for i, parent in enumerate(parents)):  # one path: a chain
+        drafts = torch.tensor(tree.tokens, dtype=torch.long, device=ids.device)
+        if all(parent == i for i, parent in enumerate(tree.parents)):  # one path: a chain
             return Proposal(drafts)
-        return Proposal(drafts, parents=torch.tensor(parents, dtype=torch.long, device=ids.device))
+        return Proposal(drafts, parents=torch.tensor(tree.parents, dtype=torch.long, device=ids.device))
 
-    def _best_match(self, state: SuffixState, context: list[int], low: int, high: int, depth: int) -> Match | None:
-        """The longer of the matches in the generation's own context and in the shared index (the
-        own one on a tie: its continuations are this text's)."""
-        own = state.own.longest_match(context, low, high, depth)
-        if self.shared is None:
-            return own
-        shared = self.shared.longest_match(self.config.scope, context, low, high, depth)
-        if shared is None or (own is not None and own.length >= shared.length):
-            return own
-        return shared
+    def _matches(self, state: SuffixState, context: list[int], low: int, high: int, depth: int) -> list[Match]:
+        """The longest matches found in the generation's own context and in the shared index."""
+        found = [state.own.longest_match(context, low, high, depth)]
+        if self.shared is not None:
+            found.append(self.shared.longest_match(self.config.scope, context, low, high, depth))
+        return [match for match in found if match is not None]
+
+    def _tree(self, match: Match, budget: int, depth: int) -> VotedTree:
+        """The tree ``match``'s continuations vote, at most ``spec_factor`` times its length deep."""
+        depth = min(depth, max(1, int(self.config.spec_factor * match.length)))
+        return draft_tree([self._cut(c) for c in match.continuations], budget, depth, self.config.min_probability)
 
     def _cut(self, continuation: list[int]) -> list[int]:
         """A continuation up to its first EOS (nothing past an EOS is ever emitted)."""
