@@ -61,7 +61,7 @@ class Costly(Drafter):
 
 
 def _auto(candidates: dict, clock: FakeClock, **options) -> AutoDrafter:
-    options = {"probe_steps": 4, **options}
+    options = {"probe_steps": 4, "floor": "pld", **options}  # these candidates' copying drafter is pld
     return AutoDrafter(None, AutoConfig(remember=False, **options), candidates=candidates, clock=clock,
                        profile=AutoProfile(None))
 
@@ -382,7 +382,7 @@ def test_with_drafts_as_proposed_or_without_the_floor_plain_decoding_stays_a_can
     target, prompt, continuation = _setup()
     clock = FakeClock()
     never = RandomDrafter(target.vocab_size, 4, seed=1, avoid=continuation, prompt_length=prompt.numel())
-    for options in ({}, {"floor": "pld"}):  # "pld" is no candidate here
+    for options in ({}, {"floor": "suffix"}):  # neither is a candidate here
         auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "never": Costly(never, clock, 1.2)}, clock, **options)
         for spec, seconds in (("ar", 1.0), ("never", 1.2)):
             _measured(auto.profile, spec, 1.0, seconds, 20)
@@ -405,7 +405,7 @@ def test_measuring_first_times_each_candidates_rebuild_and_stays_exact():
     eagle = EagleDrafter(target, EagleDrafterConfig(depth=3, tree_top_k=2, total_tokens=5, min_path_prob=0.0,
                                                     lookup_tokens=0), head=make_head(target))
     pld = PromptLookupDrafter(target, PromptLookupConfig())
-    auto = AutoDrafter(target, AutoConfig(remember=False, probe_steps=4), candidates={"ar": _ar(target), "pld": pld,
+    auto = AutoDrafter(target, AutoConfig(remember=False, probe_steps=4, floor="pld"), candidates={"ar": _ar(target), "pld": pld,
                                                                                        "eagle": eagle},
                        profile=AutoProfile(None))
     assert auto.unmeasured("greedy") == ["pld", "eagle"]

@@ -194,7 +194,7 @@ def prepare(target, body, chat: bool, limits: Limits, tenant: str = "") -> Prepa
         ApiError: the status and field the client is told.
     """
     method, options = check_request(body, chat, limits)
-    if "scope" in METHODS.get(method).option_names:
+    if tenant and "scope" in METHODS.get(method).option_names:  # no tenant: the default scope, options unchanged
         options["scope"] = tenant
     tools, _ = check_output_format(target, body, chat)
     prompt, prompt_tokens = tokenize(target, body, chat, tools)
