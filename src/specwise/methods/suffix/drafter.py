@@ -59,7 +59,7 @@ class SuffixConfig(MethodConfig):
     spec_factor: float = 2.0  # a draft is at most this many times the match length deep
     min_probability: float = 0.1  # a node is drafted only while its path's empirical probability is at least this
     across_requests: bool = True  # draft from earlier generations' outputs too, not only this context
-    index_tokens: int = 1 << 18  # tokens the shared index keeps per scope (oldest dropped first)
+    index_tokens: int = 1 << 16  # tokens the shared index keeps per scope (oldest dropped first; ~160 B each)
     scope: str = ""  # whose earlier outputs are drafted from (the server: the request's API key)
 
     def __post_init__(self) -> None:
