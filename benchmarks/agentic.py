@@ -234,6 +234,74 @@ def run_conversation(conversation: dict, ours: dict, model: str, llamas: dict, t
     return rows
 
 
+def converse(conversation: dict, ask, replies: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
+    """One contender through one conversation: ``ask(messages, turn, tools) -> result``. The
+    history is the contender's own replies (the reference run) or ``replies`` (the reference's,
+    turn by turn). Returns the per-turn results and the replies the history took."""
+    messages = [{"role": "system", "content": conversation["system"]}] if conversation.get("system") else []
+    tools = conversation.get("tools")
+    results, taken, last_call = [], [], None
+    for index, turn in enumerate(conversation["turns"]):
+        if replies is not None and index > len(replies):
+            break
+        if "tool_result" in turn:
+            messages.append({"role": "tool", "content": turn["tool_result"], "tool_call_id": last_call or "call_0"})
+        else:
+            messages.append({"role": "user", "content": turn["user"]})
+        result = ask(messages, turn, tools)
+        results.append(result)
+        if replies is None:
+            if "message" not in result:
+                break
+            reply = history_reply(result)
+        elif index < len(replies):
+            reply = replies[index]
+        else:
+            break
+        taken.append(reply)
+        messages.append(reply)
+        calls = reply.get("tool_calls") or []
+        last_call = calls[0]["id"] if calls else None
+    return results, taken
+
+
+def run_concurrently(conversations: list[dict], ours: dict, model: str, llamas: dict, target,
+                     max_tokens: int) -> list[dict]:
+    """Every contender serves all ``conversations`` at once (a client each), one contender after
+    another: the first of ours first, whose replies are then every other contender's history.
+    Each row is one turn; ``burst_s`` is the contender's time to finish every conversation."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def asker(name: str, url: str):
+        if name in ours:
+            return lambda messages, turn, tools: ask_ours(url, model, messages, turn, tools, max_tokens)
+        return lambda messages, turn, tools: ask_llama(url, target, messages, turn, tools, max_tokens)
+
+    contenders = {**ours, **llamas}
+    reference = next(iter(ours))
+    replies: dict[str, list[dict]] = {}
+    rows = []
+    for name, url in contenders.items():
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(conversations)) as pool:
+            futures = {c["id"]: pool.submit(converse, c, asker(name, url),
+                                            None if name == reference else replies.get(c["id"], []))
+                       for c in conversations}
+            done = {cid: future.result() for cid, future in futures.items()}
+        burst = time.perf_counter() - start
+        for conversation in conversations:
+            results, taken = done[conversation["id"]]
+            if name == reference:
+                replies[conversation["id"]] = taken
+            for index, result in enumerate(results):
+                rows.append({"conversation": conversation["id"], "kind": conversation["kind"], "turn": index,
+                             "turn_kind": conversation["turns"][index]["turn"], "contender": name,
+                             "clients": len(conversations), "burst_s": burst,
+                             **{k: v for k, v in result.items() if k not in ("message", "text")}})
+        print(f"{name}: {len(conversations)} conversations at once in {burst:.1f} s", flush=True)
+    return rows
+
+
 def summary(rows: list[dict]) -> str:
     contenders = list(dict.fromkeys(r["contender"] for r in rows))
     lines = ["| contender | turn kind | turns | valid | wall s (sum) | tokens | tok/s | vs specwise ar | τ |",
@@ -266,6 +334,9 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true", help="the tuning split instead of the held-out one")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clients", type=int, default=1,
+                        help="conversations served at once (a client each); > 1: every contender serves "
+                             "--clients conversations together, llama-server with -np CLIENTS")
     parser.add_argument("--out", type=Path, default=Path("runs/agentic"))
     args = parser.parse_args()
     import specwise
@@ -291,7 +362,8 @@ def main() -> None:
     for spec in args.spec_types.split(","):
         port = free_port()
         command = [str(args.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t",
-                   str(args.threads), "-tb", str(args.threads), "--poll", "0", "-c", "8192", "-np", "1"]
+                   str(args.threads), "-tb", str(args.threads), "--poll", "0", "-c", str(8192 * args.clients),
+                   "-np", str(args.clients)]
         if spec != "none":
             command += ["--spec-type", spec]
         name = "llama-server" if spec == "none" else f"llama-server {spec}"
@@ -304,6 +376,21 @@ def main() -> None:
         # built-in texts once per machine, llama.cpp warms up): one short exchange first, not counted
         warm = {"turns": [{"user": "Write a haiku about the sea.", "turn": "prose"}], "id": "warm-up", "kind": "warm-up"}
         run_conversation(warm, ours, args.target, llamas, target, 32)
+        if args.clients > 1:
+            # one of each kind in turn, so the clients' mix is the workload's
+            mixed = sorted(conversations, key=lambda c: [x["id"] for x in conversations if x["kind"] == c["kind"]]
+                           .index(c["id"]))
+            rows = run_concurrently(mixed[: args.clients], ours, args.target, llamas, target, args.max_tokens)
+            (args.out / "concurrent.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+            bursts = {row["contender"]: row["burst_s"] for row in rows}
+            turns = {name: sum(1 for row in rows if row["contender"] == name and row["valid"]) for name in bursts}
+            base = bursts[next(iter(ours))]
+            table = "\n".join(f"| {name} | {turns[name]} | {burst:.1f} | {base / burst:.2f}x |"
+                              for name, burst in bursts.items())
+            (args.out / "concurrent.md").write_text(
+                f"| contender | valid turns | all conversations at once, s | vs specwise ar |\n|---|---|---|---|\n{table}\n")
+            print(table)
+            return
         with done_path.open("a") as out:
             for conversation in conversations:
                 if conversation["id"] in done:
