@@ -345,6 +345,9 @@ def test_each_api_key_drafts_only_from_its_own_earlier_requests(model_dir, targe
         assert first["choices"][0]["text"] == again["choices"][0]["text"] == other["choices"][0]["text"] == text
         forwards = [r["speculative_decoding"]["target_forwards"] for r in (first, again, other)]
         assert forwards[1] < forwards[0] and forwards[1] < forwards[2], forwards
+        held = [line for line in httpx.get(f"{server.url}/metrics").text.splitlines()
+                if line.startswith("specwise_suffix_index_tokens")]
+        assert held and float(held[0].split()[-1]) >= 3 * 48, held
         for body in ({"scope": "x"}, {"index_tokens": 8}):
             response = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": "Bearer key-a"},
                                   json={"model": "tiny", "prompt": PROMPT, "speculative": {"options": body}})

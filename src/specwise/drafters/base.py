@@ -50,6 +50,15 @@ def loaded_once(target, key: tuple, load: Callable[[], Any]) -> Any:
         return resources[key]
 
 
+def loaded_resources(target) -> dict:
+    """What :func:`loaded_once` keeps on ``target``, by key (a copy; empty when nothing is)."""
+    lock = target.__dict__.get("_drafter_resources_lock")
+    if lock is None:
+        return {}
+    with lock:
+        return dict(target.__dict__.get("_drafter_resources", {}))
+
+
 def check_engine(target, drafter) -> None:
     """Refuse a drafter (a built one, or its class before it loads anything) that reads the target's
     hidden states on a target whose engine gives none (``target.gives_hidden_states`` false; both

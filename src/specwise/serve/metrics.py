@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from specwise.methods.suffix.drafter import indexed_tokens
+
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
 _BUDGET_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
@@ -42,8 +44,15 @@ class ServerMetrics:
                                "size (total), or held by running generations (reserved)", ["state"], registry=r)
         self.prefix_kept_tokens = Gauge("specwise_prefix_kept_tokens", "Tokens of finished generations kept in "
                                         "the KV pool for later prompts that share a prefix", registry=r)
+        self.suffix_index_tokens = Gauge("specwise_suffix_index_tokens", "Tokens of earlier generations' text "
+                                         "the suffix indexes keep, over every tenant", registry=r)
         self.prefix_reused_tokens = Gauge("specwise_prefix_reused_tokens", "Prompt tokens taken from kept "
                                           "sequences instead of decoded, since the server started", registry=r)
+
+    def watch_index(self, target) -> None:
+        """Report the tokens ``target``'s suffix indexes hold (earlier requests' text, every tenant)
+        at each scrape."""
+        self.suffix_index_tokens.set_function(lambda: indexed_tokens(target))
 
     def watch_pool(self, target) -> None:
         """Report ``target``'s KV pool (its ``capacity``) and prefix store (``kept_tokens``,

@@ -234,6 +234,7 @@ class GenerationWorker:
                 grammar_compiler(self.target)
         except SpecwiseError as exc:  # a constrained request will say so itself
             log.warning("constrained output is not available on %s: %s", getattr(self.target, "name", "the target"), exc)
+        self.metrics.watch_index(self.target)
         if self.max_batch > 1:
             self._load = batch_load(self.target, on_decision=self.metrics.record_decision)
             self.metrics.watch_pool(self.target)

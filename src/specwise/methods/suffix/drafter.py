@@ -39,7 +39,15 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from specwise.drafters.base import Drafter, MethodConfig, check_flag, check_int, loaded_once, register_drafter
+from specwise.drafters.base import (
+    Drafter,
+    MethodConfig,
+    check_flag,
+    check_int,
+    loaded_once,
+    loaded_resources,
+    register_drafter,
+)
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError
 from specwise.methods.prompt_lookup import check_ngram_sizes, find_continuation, ngram_sizes
@@ -105,6 +113,12 @@ class VotedTree(NamedTuple):
         """Drafts accepted in expectation if the continuations' frequencies were the target's: the
         sum of the path probabilities."""
         return sum(self.probabilities)
+
+
+def indexed_tokens(target) -> int:
+    """Tokens of earlier generations' text that the suffix indexes kept on ``target`` hold, over
+    every tenant (for ``/metrics``)."""
+    return sum(index.tokens() for key, index in loaded_resources(target).items() if key[0] == "suffix-index")
 
 
 def draft_tree(continuations: list[list[int]], max_nodes: int, max_depth: int,
