@@ -148,7 +148,7 @@ def test_a_registry_lookup_finds_every_methods_drafter_module():
 
 def test_the_listing_order_and_which_methods_need_weights():
     listed = [spec.name for spec in specwise.METHODS.listed()]
-    assert listed == ["ar", "auto", "pld", "lookahead", "draft", "eagle", "medusa", "dflash"]  # the demo's order
+    assert listed == ["ar", "auto", "pld", "suffix", "lookahead", "draft", "eagle", "medusa", "dflash"]  # the demo's order
     assert [s.name for s in specwise.METHODS.listed() if s.needs_weights] == ["draft", "eagle", "medusa", "dflash"]
 
 

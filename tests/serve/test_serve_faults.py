@@ -97,7 +97,9 @@ class Stream(threading.Thread):
 
 
 def test_sigterm_ends_every_open_stream_and_exits_within_the_grace_period(model_dir):
-    server = Server(model_dir, "--max-queue", "4", "--shutdown-grace", "5")
+    # plain decoding: the running stream must outlast the three that queue behind it (the default's
+    # drafts copy this repetitive text fast enough to finish first under a loaded machine)
+    server = Server(model_dir, "--method", "ar", "--max-queue", "4", "--shutdown-grace", "5")
     try:
         running = Stream(server, LONG)
         _wait_for(lambda: _health(server)["running"] == 1 and running.status == 200, "the first stream to run")
