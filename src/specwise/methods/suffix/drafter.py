@@ -209,16 +209,14 @@ class SuffixDrafter(Drafter):
             return Proposal.empty(ids.device)
         context = self._sync(state, ids)
         low, _ = ngram_sizes(self.config.min_match, None, ctx.sampling.is_greedy)
-        high = self.config.max_match
-        depth = min(budget, ctx.max_draft_tokens)
-        matches = self._matches(state, context, max(low, 2), high, depth)
+        matches = self._matches(state, context, max(low, 2), self.config.max_match, budget)
         if not matches:
             if low > 1:
                 return Proposal.empty(ids.device)
             chain = find_continuation(ids, budget, 1, 1, True, self.eos_token_ids)  # pld's one-token match
             return Proposal.empty(ids.device) if chain is None else Proposal(chain)
         # the likelier accepted, then the longer match (the more specific evidence), then this context's
-        tree = max(((self._tree(match, budget, depth), match.length) for match in matches),
+        tree = max(((self._tree(match, budget), match.length) for match in matches),
                    key=lambda pair: (pair[0].expected_accepted, pair[1]))[0]
         if not tree.tokens:
             return Proposal.empty(ids.device)
@@ -234,9 +232,10 @@ class SuffixDrafter(Drafter):
             found.append(self.shared.longest_match(self.config.scope, context, low, high, depth))
         return [match for match in found if match is not None]
 
-    def _tree(self, match: Match, budget: int, depth: int) -> VotedTree:
-        """The tree ``match``'s continuations vote, at most ``spec_factor`` times its length deep."""
-        depth = min(depth, max(1, int(self.config.spec_factor * match.length)))
+    def _tree(self, match: Match, budget: int) -> VotedTree:
+        """The tree ``match``'s continuations vote: at most ``budget`` nodes, and at most
+        ``spec_factor`` times the match length deep."""
+        depth = min(budget, max(1, int(self.config.spec_factor * match.length)))
         return draft_tree([self._cut(c) for c in match.continuations], budget, depth, self.config.min_probability)
 
     def _cut(self, continuation: list[int]) -> list[int]:
