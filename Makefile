@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast interop-check bench clean
 
 # `pip install specwise` is the engine; the lab tools' dependencies are extras (pyproject.toml).
 $(VENV)/.installed: pyproject.toml
@@ -43,6 +43,15 @@ test: $(VENV)/.installed-dev
 
 test-fast: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile -m "not slow"
+
+# once per machine: builds the speculators and vLLM venvs (each pins its own torch/transformers),
+# then runs their checks, failing rather than skipping; then vLLM serves the exports beside specwise
+interop-check: $(VENV)/.installed-dev
+	scripts/speculators-env.sh
+	scripts/vllm-env.sh
+	SPECWISE_REQUIRE_INTEROP=1 $(BIN)/python -m pytest -q tests/methods/test_vllm_interop.py \
+		tests/methods/test_interop.py -k "vllm or speculators_own_loader"
+	scripts/vllm-check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

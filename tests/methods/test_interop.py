@@ -520,13 +520,17 @@ def _speculators_python() -> Path | None:
     return path if path.is_file() else None
 
 
-@pytest.mark.skipif(_speculators_python() is None,
-                    reason="the speculators package pins an older transformers: build its venv with "
-                           "scripts/speculators-env.sh (or set SPECWISE_SPECULATORS_PYTHON) to run this check")
 @pytest.mark.parametrize("variant", ["specwise", "standard"])
 def test_speculators_own_loader_reads_our_export(tmp_path, variant):
     """speculators' Eagle3DraftModel.from_pretrained + forward on our export, three TTT steps, against
-    our head (speculators' rotary runs in float32: agreement to 1e-5)."""
+    our head (speculators' rotary runs in float32: agreement to 1e-5). Skipped without the venv,
+    saying how to build it; ``make interop-check`` (``SPECWISE_REQUIRE_INTEROP=1``) fails instead."""
+    if _speculators_python() is None:
+        message = ("the speculators package pins an older transformers: build its venv with "
+                   "scripts/speculators-env.sh (or set SPECWISE_SPECULATORS_PYTHON) to run this check")
+        if os.environ.get("SPECWISE_REQUIRE_INTEROP") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
     target = make_target("llama")
     target.model.save_pretrained(tmp_path / "verifier")  # speculators reads the verifier's depth and weights
     head = make_head(target, **({} if variant == "specwise" else STANDARD_ARCHITECTURE))
