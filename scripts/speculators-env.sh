@@ -8,8 +8,10 @@ set -euo pipefail
 venv="${SPECWISE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/specwise}/speculators-venv"
 if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import speculators" 2>/dev/null; then
   python3 -m venv "$venv"
-  # torch CPU first, so speculators' own (torchvision/torchaudio) pins do not pull a CUDA build
-  "$venv/bin/pip" install -q torch --index-url https://download.pytorch.org/whl/cpu || "$venv/bin/pip" install -q torch
+  # torch first, the project's version, so speculators' own pins do not pull another: pip finds the
+  # CPU build where it is configured to look (a local wheel directory here; elsewhere set
+  # PIP_EXTRA_INDEX_URL to https://download.pytorch.org/whl/cpu)
+  "$venv/bin/pip" install -q "torch==2.13.0"
   "$venv/bin/pip" install -q "transformers==5.19.0" safetensors pydantic pydantic-settings loguru datasets rich typer \
     click huggingface-hub numpy tqdm psutil protobuf httpx aiohttp openai hs-connectors
   "$venv/bin/pip" install -q --no-deps speculators==0.9.0

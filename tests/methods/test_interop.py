@@ -131,6 +131,9 @@ def test_caveats_name_what_each_runtime_cannot_run(tmp_path):
     standard = export_eagle3(make_head(llama, **STANDARD_ARCHITECTURE), llama, tmp_path / "b")
     assert standard.caveats == []
     assert set(standard.serve) == {"vllm", "llama.cpp"} and "--speculative-config" in standard.serve["vllm"]
+    assert "--model-impl" not in standard.serve["vllm"]  # vLLM's own Llama class records the taps
+    gemma = export_eagle3(make_head(target, **STANDARD_ARCHITECTURE), target, tmp_path / "g")
+    assert gemma.serve["vllm"].endswith("--model-impl transformers")  # its own Gemma-3 class does not
     sglang = export_eagle3(make_head(llama, **STANDARD_ARCHITECTURE), llama, tmp_path / "c", "eagle3")
     assert set(sglang.serve) == {"sglang"} and "EAGLE3" in sglang.serve["sglang"]
     # the weights are as readable as the config (a server may run as another user)

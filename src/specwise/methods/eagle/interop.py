@@ -76,6 +76,9 @@ _PREFIX = {"speculators": "layers.0.", "eagle3": "midlayer."}
 #: target model types whose llama.cpp b11434 graph does not expose layer inputs, so `llama-server`
 #: cannot feed an EAGLE-3 draft its taps (its converter accepts the draft regardless)
 LLAMA_CPP_NO_TAPS = ("gemma", "gemma2", "gemma3", "gemma3_text", "qwen2", "mistral3", "phi3")
+#: target model types whose vLLM 0.32 class does not record EAGLE-3 taps ("Model does not support
+#: EAGLE3 interface"); vLLM's Transformers backend (`--model-impl transformers`) does, and serves them
+VLLM_NO_TAPS = ("gemma", "gemma2", "gemma3", "gemma3_text")
 
 
 # ---------------------------------------------------------------------------------------- export
@@ -200,7 +203,8 @@ def _serve_commands(head: EagleHead, text, fmt: str, path: Path, verifier: str, 
         return out
     if fmt == "speculators":
         spec = json.dumps({"method": "eagle3", "model": str(path), "num_speculative_tokens": tokens})
-        out["vllm"] = f"vllm serve {verifier} --speculative-config '{spec}'"
+        out["vllm"] = f"vllm serve {verifier} --speculative-config '{spec}'" + (
+            " --model-impl transformers" if str(text.model_type) in VLLM_NO_TAPS else "")
         if not cfg.tap_norms and str(text.model_type) not in LLAMA_CPP_NO_TAPS:
             out["llama.cpp"] = (f"python convert_hf_to_gguf.py {path} --target-model-dir TARGET_HF_DIR --outfile "
                                 f"draft.gguf && llama-server -m TARGET.gguf -md draft.gguf --spec-type draft-eagle3 "
