@@ -431,6 +431,8 @@ def test_medusa_round_trip_gives_the_same_logits(tmp_path, arch):
     exported = export_medusa(heads, target, tmp_path / "m", dtype=torch.float64)
     assert {p.name for p in exported.path.iterdir()} >= {"config.json", "medusa_lm_head.safetensors",
                                                           "medusa_lm_head.pt"}
+    # vLLM builds its Medusa layers without biases (and drops the ones it reads) unless told
+    assert json.loads((exported.path / "config.json").read_text())["medusa_fc_bias"] is True
     imported = read_medusa(exported.path, target)
     hidden = final_hidden(target, random_prompt(12, seed=3))
     torch.testing.assert_close(medusa_full_logits(imported, hidden, target.vocab_size),

@@ -77,15 +77,16 @@ def export_medusa(heads: MedusaHeads, target, out: str | Path, *, verifier: str 
     tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in tensors.items()}
     text = target.model.config.get_text_config()
     name = verifier or target.name
+    # medusa_fc_bias: vLLM's Medusa layers have no bias unless it is set, and it drops the biases
+    # it reads otherwise (FasterDecoding's layers always have one; its loader ignores the key)
     config = {"medusa_num_heads": heads.config.num_heads, "medusa_num_layers": layers,
               "base_model_name_or_path": name, "hidden_size": int(text.hidden_size), "vocab_size": vocab_size,
-              "version": "2"}
+              "medusa_fc_bias": True, "version": "2"}
     path = prepare_out(out)
     write_export(path, tensors, config, WEIGHTS_NAMES[0])
     torch.save(tensors, path / WEIGHTS_NAMES[1])  # the name FasterDecoding's loader reads
     os.chmod(path / WEIGHTS_NAMES[1], (path / CONFIG_NAME).stat().st_mode & 0o777)
-    serve = {"vllm": (f"vllm serve {name} --speculative-config '{json.dumps({'method': 'medusa', 'model': str(path), 'num_speculative_tokens': heads.config.num_heads})}' "
-                      "(vLLM reads its own Medusa layout: convert the keys first)"),
+    serve = {"vllm": f"vllm serve {name} --speculative-config '{json.dumps({'method': 'medusa', 'model': str(path), 'num_speculative_tokens': heads.config.num_heads})}'",
              "medusa": f"python -m medusa.inference.cli --model {path}"}
     return Exported(path, [], serve)
 
