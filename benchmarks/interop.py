@@ -105,6 +105,10 @@ def chain_options(method: str, draft_max: int) -> dict:
                 "lookup_tokens": 0}
     if method == "draft":
         return {"num_draft_tokens": draft_max, "confidence_threshold": 0.0}
+    if method == "medusa":  # imported heads draft a chain of each head's top-1 (vLLM's Medusa too)
+        return {"min_path_prob": 0.0, "lookup_tokens": 0}
+    if method == "dflash":  # one block's argmax chain
+        return {"depth": draft_max, "tree_top_k": 1, "min_path_prob": 0.0, "lookup_tokens": 0}
     raise ValueError(f"no chain options for method {method!r}")
 
 
@@ -173,7 +177,7 @@ def target_hf_dir(target, out: Path) -> Path:
 def vllm_run(python: Path, job: dict, timeout: int = 1800) -> dict:
     """scripts/vllm_probe.py in the vLLM venv on ``job`` (its docstring); its JSON answer, or the failure."""
     probe = Path(__file__).resolve().parent.parent / "scripts" / "vllm_probe.py"
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     try:
         run = subprocess.run([str(python), str(probe)], input=json.dumps(job), capture_output=True, text=True,
                              timeout=timeout, env=env)
@@ -213,7 +217,12 @@ def export_for_vllm(target, method: str, drafter: str | None, out: Path, draft_m
         path = export_hf(load_draft_lm(drafter or shipped_drafter(target, "draft"), target), target,
                          out / "export-draft-lm", torch.float32)
         return path, {"method": "draft_model", "model": str(path), "num_speculative_tokens": draft_max}, []
-    raise ValueError(f"vllm-check runs eagle or draft, not {method!r}")
+    if method in ("medusa", "dflash"):
+        fmt = "medusa" if method == "medusa" else "speculators"
+        exported = export_drafter(target, out / f"export-{method}", fmt, path=drafter, method=method)
+        return exported.path, {"method": method, "model": str(exported.path),
+                               "num_speculative_tokens": draft_max}, list(exported.caveats)
+    raise ValueError(f"vllm-check runs eagle, medusa, dflash or draft, not {method!r}")
 
 
 def vllm_check(target_name: str, python: Path, out: Path, *, method: str, drafter: str | None, texts: list[str],
@@ -272,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafter", default=None, help="drafter directory (default: the shipped one)")
     parser.add_argument("--llama-server", type=Path, help="llama-check: the llama-server binary")
     parser.add_argument("--vllm-python", type=Path, help="vllm-check: the vLLM venv's python (scripts/vllm-env.sh)")
-    parser.add_argument("--method", default="eagle", choices=["eagle", "draft"], help="vllm-check: the drafter kind")
+    parser.add_argument("--method", default="eagle", choices=["eagle", "medusa", "dflash", "draft"],
+                        help="vllm-check: the drafter kind (medusa: --draft-max is its number of heads)")
     parser.add_argument("--model-impl", default="auto", choices=["auto", "vllm", "transformers"],
                         help="vllm-check: vLLM's model implementation for the target (auto: vLLM's own, "
                              "then its Transformers backend where the own one refuses)")
