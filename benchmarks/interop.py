@@ -26,6 +26,7 @@ from specwise.drafters.checkpoint import shipped_drafter
 from specwise.drafters.export import export_drafter
 from specwise.lab.bench.llamacpp import LlamaServer
 from specwise.prompts import default_prompt_records, is_held_out, load_prompts, take_per_category
+from specwise.targets.chat import chat_prompt_ids, has_chat_template
 from specwise.targets.hf import load_target
 from specwise.targets.loading import gguf_file
 
@@ -231,13 +232,17 @@ def vllm_check(target_name: str, python: Path, out: Path, *, method: str, drafte
     out.mkdir(parents=True, exist_ok=True)
     # dense float32: the very weights the Hugging Face directory hands vLLM
     target = load_target(target_name, dtype="float32", device="cpu", weights="bf16")
-    prompts = [encode_prompt(target, text).tolist() for text in texts]  # the same ids to both runtimes
+    # the same ids to both runtimes; a chat target gets each text as one user turn of its template
+    prompts = ([chat_prompt_ids(target.tokenizer, [{"role": "user", "content": text}], target.name)
+                for text in texts] if has_chat_template(target.tokenizer)
+               else [encode_prompt(target, text).tolist() for text in texts])
     hf_dir = target_hf_dir(target, out)
     path, speculative, caveats = export_for_vllm(target, method, drafter, out, draft_max)
     record = {"target": target.name, "method": method, "drafter": drafter or "shipped", "export": str(path),
               "caveats": caveats, "draft_max": draft_max, "max_tokens": tokens, "prompts": len(prompts),
               "model_impl": model_impl, "speculative_config": speculative}
-    job = {"model": str(hf_dir), "dtype": "float32", "prompts": prompts, "max_tokens": tokens}
+    job = {"model": str(hf_dir), "dtype": "float32", "prompts": prompts, "max_tokens": tokens,
+           "memory_fraction": 0.45}  # of host memory, for weights and KV (full-vocabulary Medusa heads need it)
     # vLLM's own model class first; where it lacks what the drafter needs (Gemma-3 has no EAGLE-3
     # taps in vLLM 0.32), its Transformers backend, which records the taps for any model
     attempts, spec, impl = [], {"ok": False}, model_impl
