@@ -190,7 +190,9 @@ def vllm_run(python: Path, job: dict, timeout: int = 1800) -> dict:
                 "log_tail": run.stderr.strip().splitlines()[-12:]}
     answer = json.loads(answers[-1])
     if not answer["ok"]:  # the worker's own error lines name the cause better than the client's
-        causes = [line.split("] ", 1)[-1] for line in run.stderr.splitlines() if "Error: " in line or "Exception: " in line]
+        log = run.stdout + run.stderr  # vLLM logs to stdout; its workers' tracebacks land there
+        causes = [line.split("] ", 1)[-1] for line in log.splitlines()
+                  if not line.startswith("{") and ("Error: " in line or "Exception: " in line)]
         answer["log_tail"] = list(dict.fromkeys(causes))[-6:]
     return answer
 
