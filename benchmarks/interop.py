@@ -114,13 +114,13 @@ def chain_options(method: str, draft_max: int) -> dict:
 
 
 def specwise_acceptance(target, drafter: str, prompts: list[list[int]], tokens: int, draft_max: int,
-                        method: str = "eagle", options: dict | None = None) -> dict:
+                        method: str = "eagle") -> dict:
     """The same drafter in specwise as a chain of ``draft_max`` (llama.cpp and vLLM draft chains), greedy,
     no lookup. ``accepted_per_position[i]``: steps whose first ``i + 1`` drafts were all accepted."""
     drafted = accepted = steps = 0
     per_position = [0] * draft_max
     outputs = []
-    options = options if options is not None else chain_options(method, draft_max)
+    options = chain_options(method, draft_max)
     for ids in prompts:
         result = generate(target, torch.tensor(ids), method=method, max_new_tokens=tokens, draft_budget="fixed",
                           drafter_path=drafter, **options)
@@ -247,21 +247,21 @@ def vllm_check(target_name: str, python: Path, out: Path, *, method: str, drafte
            "memory_fraction": 0.45}  # of host memory, for weights and KV (full-vocabulary Medusa heads need it)
     # vLLM's own model class first; where it lacks what the drafter needs (Gemma-3 has no EAGLE-3
     # taps in vLLM 0.32), its Transformers backend, which records the taps for any model
-    attempts, spec, impl = [], {"ok": False}, model_impl
+    attempts, spec = [], {"ok": False}
     for impl in (model_impl,) if model_impl != "auto" else ("auto", "transformers"):
         _say(f"vLLM with the export ({speculative['method']}, {draft_max} drafts, model_impl={impl})")
         spec = vllm_run(python, dict(job, model_impl=impl, speculative_config=speculative))
         attempts.append({"model_impl": impl, "ok": spec["ok"]} | {k: spec[k] for k in ("error", "log_tail") if k in spec})
         if spec["ok"]:
             break
-    _say(f"vLLM plain decoding of {len(prompts)} prompts (model_impl={impl if spec['ok'] else model_impl})")
-    plain = vllm_run(python, dict(job, model_impl=impl if spec["ok"] else model_impl))
+    impl = impl if spec["ok"] else model_impl  # plain decoding on the implementation that speculated
+    _say(f"vLLM plain decoding of {len(prompts)} prompts (model_impl={impl})")
+    plain = vllm_run(python, dict(job, model_impl=impl))
     record["vllm_attempts"] = attempts
     record["vllm_plain"] = {k: v for k, v in plain.items() if k != "outputs"}
     record["vllm_spec"] = {k: v for k, v in spec.items() if k != "outputs"} | vllm_summary(spec.get("spec"), draft_max)
     _say("specwise with the same export")
-    ours = specwise_acceptance(target, str(path), prompts, tokens, draft_max, method=method,
-                               options=chain_options(method, draft_max))
+    ours = specwise_acceptance(target, str(path), prompts, tokens, draft_max, method=method)
     steps = ours["steps"] or 1
     record["specwise"] = {k: v for k, v in ours.items() if k != "outputs"} | {
         "acceptance_by_position": [a / steps for a in ours["accepted_per_position"]]}

@@ -174,6 +174,21 @@ def tiny_target(request) -> Target:
     return make_target(request.param)
 
 
+def interop_python(variable: str, venv: str, why: str, script: str):
+    """The python of another runtime's venv (``$variable``, else ``~/.cache/specwise/<venv>``), or
+    skip the test saying how to build it; under ``make interop-check`` (``SPECWISE_REQUIRE_INTEROP=1``)
+    a missing venv fails instead, so nothing interop-related is silently skipped."""
+    from pathlib import Path
+
+    path = Path(os.environ.get(variable, Path.home() / ".cache" / "specwise" / venv / "bin" / "python"))
+    if not path.is_file():
+        message = f"{why}: build its venv with {script} (or set {variable}) to run this check"
+        if os.environ.get("SPECWISE_REQUIRE_INTEROP") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
 def random_prompt(length: int, seed: int = 0, vocab_size: int = VOCAB) -> torch.Tensor:
     """``[length]`` random token ids, avoiding the special ids 0-2."""
     return torch.randint(3, vocab_size, (length,), generator=torch.Generator().manual_seed(seed))

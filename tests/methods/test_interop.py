@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import warnings
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import specwise
-from conftest import ARCHS, make_target, random_prompt, reference_greedy
+from conftest import ARCHS, interop_python, make_target, random_prompt, reference_greedy
 from specwise.drafters.export import export_drafter
 from specwise.drafters.trained import ImportCanary
 from specwise.engine.loop import speculative_generate
@@ -520,22 +519,13 @@ def test_medusa_mismatches_are_refused(tmp_path, change, message):
 # ---------------------------------------------------------------------------------------- speculators' own loader
 
 
-def _speculators_python() -> Path | None:
-    path = Path(os.environ.get("SPECWISE_SPECULATORS_PYTHON", Path.home() / ".cache/specwise/speculators-venv/bin/python"))
-    return path if path.is_file() else None
-
-
 @pytest.mark.parametrize("variant", ["specwise", "standard"])
 def test_speculators_own_loader_reads_our_export(tmp_path, variant):
     """speculators' Eagle3DraftModel.from_pretrained + forward on our export, three TTT steps, against
     our head (speculators' rotary runs in float32: agreement to 1e-5). Skipped without the venv,
     saying how to build it; ``make interop-check`` (``SPECWISE_REQUIRE_INTEROP=1``) fails instead."""
-    if _speculators_python() is None:
-        message = ("the speculators package pins an older transformers: build its venv with "
-                   "scripts/speculators-env.sh (or set SPECWISE_SPECULATORS_PYTHON) to run this check")
-        if os.environ.get("SPECWISE_REQUIRE_INTEROP") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+    python = interop_python("SPECWISE_SPECULATORS_PYTHON", "speculators-venv",
+                            "the speculators package pins an older transformers", "scripts/speculators-env.sh")
     target = make_target("llama")
     target.model.save_pretrained(tmp_path / "verifier")  # speculators reads the verifier's depth and weights
     head = make_head(target, **({} if variant == "specwise" else STANDARD_ARCHITECTURE))
@@ -545,7 +535,7 @@ def test_speculators_own_loader_reads_our_export(tmp_path, variant):
     torch.save({"hidden_states": feats[None], "input_ids": ids[1:1 + feats.shape[0]][None], "ttt_steps": steps},
                tmp_path / "in.pt")
     probe = Path(__file__).resolve().parents[2] / "scripts" / "speculators_probe.py"
-    run = subprocess.run([str(_speculators_python()), str(probe), str(tmp_path / "draft"), str(tmp_path / "in.pt"),
+    run = subprocess.run([str(python), str(probe), str(tmp_path / "draft"), str(tmp_path / "in.pt"),
                           str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     out = torch.load(tmp_path / "out.pt", weights_only=False)

