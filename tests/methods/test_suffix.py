@@ -51,17 +51,42 @@ def test_the_longest_match_is_every_occurrence_of_the_longest_recurring_suffix(t
     assert (None if match is None else (match.length, match.continuations)) == expected
 
 
-def test_the_index_keeps_the_newest_texts_within_its_capacity():
+def test_the_index_keeps_the_newest_tokens_within_its_capacity():
     index = SuffixIndex(capacity=10)
-    first = index.add([1, 2, 3, 4])
-    index.add([5, 6, 7, 8])
+    index.add([1, 2, 3, 4])
+    index.add([5, 6, 7, 8])  # 9 slots: a separator between the two texts
     assert index.longest_match([9, 1, 2], 2, 8, 4).continuations == [[3, 4]]
-    index.add([1, 2, 9, 9])  # 12 tokens: the oldest text goes, with its pairs
-    assert index.size == 8 and len(index) == 2 and index.text(first) == []
+    index.add([1, 2, 9, 9])  # 14 slots written: the first text's first four are overwritten
+    assert index.size == 10
     assert index.longest_match([9, 1, 2], 2, 8, 4).continuations == [[9, 9]]
+    assert index.longest_match([5, 6], 2, 8, 4).continuations == [[7, 8]]
     index.add(list(range(20, 40)))  # longer than the capacity: its last 10 tokens are kept
     assert index.size == 10 and index.longest_match([1, 2], 2, 8, 4) is None
     assert index.longest_match([30, 31], 2, 8, 4).continuations == [[32, 33, 34, 35]]
+    assert index.longest_match([29, 30], 2, 8, 4) is None  # 29 was overwritten
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=6),
+       context=st.lists(st.integers(0, 3), min_size=2, max_size=8), capacity=st.integers(1, 30),
+       grown=st.lists(st.integers(0, 3), max_size=8), depth=st.integers(1, 4))
+def test_a_full_index_matches_exactly_what_its_newest_slots_hold(texts, context, capacity, grown, depth):
+    """Past its capacity the index answers as an index of the last ``capacity`` slots would: the
+    texts joined by separators, the last one grown by :meth:`extend`, cut to the newest slots."""
+    index = SuffixIndex(capacity)
+    for text in texts:
+        index.add(text)
+    index.extend(grown)
+    slots = []
+    for text in texts[:-1]:
+        slots += text + [-1]
+    slots = (slots + texts[-1] + grown)[-capacity:]
+    window = [[]]
+    for token in slots:
+        window.append([]) if token == -1 else window[-1].append(token)
+    match = index.longest_match(context, 2, 6, depth)
+    expected = brute_longest([text for text in window if text], context, 2, 6, depth)
+    assert (None if match is None else (match.length, match.continuations)) == expected
 
 
 def test_scopes_are_kept_apart_and_bounded():

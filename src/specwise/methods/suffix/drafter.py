@@ -25,7 +25,7 @@ sampled text.
 
 The shared index is kept on the target (one per target, :func:`specwise.drafters.base.loaded_once`),
 per ``scope`` (the server sets it from the request's API key, so one tenant's text never shapes
-another's drafts), bounded to ``index_tokens`` tokens per scope, oldest text dropped first. Every
+another's drafts), bounded to ``index_tokens`` tokens per scope, oldest tokens overwritten first. Every
 generation on a ``suffix`` drafter, or on ``auto`` with ``suffix`` among its candidates (whichever
 candidate ran), adds its output to it when it ends (:meth:`SuffixDrafter.learn`). Drafts are deterministic ("delta") proposals and
 only proposals: what the index holds changes how fast a text is written, never the text.
@@ -67,7 +67,7 @@ class SuffixConfig(MethodConfig):
     spec_factor: float = 2.0  # a draft is at most this many times the match length deep
     min_probability: float = 0.1  # a node is drafted only while its path's empirical probability is at least this
     across_requests: bool = True  # draft from earlier generations' outputs too, not only this context
-    index_tokens: int = 1 << 16  # tokens the shared index keeps per scope (oldest dropped first; ~160 B each)
+    index_tokens: int = 1 << 18  # slots the shared index keeps per scope (oldest overwritten first; ~20 B each)
     scope: str = ""  # whose earlier outputs are drafted from (the server: the request's API key)
 
     def __post_init__(self) -> None:
@@ -89,8 +89,7 @@ class SuffixState:
     """One generation's own index: its context, one text grown as tokens are committed."""
 
     own: SuffixIndex
-    text: int  # the context's text id in ``own``
-    known: int  # tokens of the context in ``own``
+    context: list[int]  # the tokens in ``own``
 
 
 def shared_index(target, capacity: int) -> SharedSuffixIndex:
@@ -189,18 +188,20 @@ class SuffixDrafter(Drafter):
     def _new_state(self, token_ids: torch.Tensor) -> SuffixState:
         tokens = token_ids.tolist()
         own = SuffixIndex(max(len(tokens), getattr(self.target, "max_context", 0) or 0, 1))
-        return SuffixState(own, own.add(tokens), known=len(tokens))
+        own.add(tokens)
+        return SuffixState(own, tokens)
 
     def _sync(self, state: SuffixState, token_ids: torch.Tensor) -> list[int]:
         """The context as a list, the generation's own index grown to hold all of it."""
         length = token_ids.numel()
-        if length < state.known:  # never in the loop (the context only grows): start over
+        if length < len(state.context):  # never in the loop (the context only grows): start over
             fresh = self._new_state(token_ids)
-            state.own, state.text, state.known = fresh.own, fresh.text, fresh.known
-        elif length > state.known:
-            state.own.extend(state.text, token_ids[state.known:].tolist())
-            state.known = length
-        return state.own.text(state.text)
+            state.own, state.context = fresh.own, fresh.context
+        elif length > len(state.context):
+            new = token_ids[len(state.context):].tolist()
+            state.own.extend(new)
+            state.context.extend(new)
+        return state.context
 
     def propose(self, state: SuffixState, ctx: DraftContext) -> Proposal:
         ids = ctx.token_ids

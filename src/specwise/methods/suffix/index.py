@@ -3,30 +3,36 @@ tokens occur, and what followed it there.
 
 SuffixDecoding (Oliaro et al. 2024, arXiv 2411.04975) drafts from suffix trees over the current
 request and over earlier requests' outputs. In Python a suffix tree costs far more per token than
-it saves, so this index keeps what the drafter asks of one: every text is stored as it is, and every
-adjacent token pair maps to where it occurs. A query takes the context's last pair, walks its most
-recent occurrences back from there to measure how many tokens before them agree with the context
-(the match length) and returns the occurrences whose match is the longest; what followed each is a
-candidate continuation. The longest-match occurrences are exactly those a suffix tree's node for
-that suffix would hold, up to :data:`SCAN` of the most recent.
+it saves, so this index keeps what the drafter asks of one in flat arrays: the texts one after
+another in a ring of ``capacity`` slots (a separator between texts), and a hash chain over
+adjacent token pairs (each slot links to the previous position whose pair fell in the same
+bucket). A query takes the context's last pair, walks the chain of its bucket from the most recent
+position back (skipping other pairs that share the bucket), measures at each occurrence how many
+tokens before it agree with the context (the match length), and returns the occurrences whose
+match is the longest; what followed each is a candidate continuation. The longest-match
+occurrences are exactly those a suffix tree's node for that suffix would hold, up to :data:`SCAN`
+of the most recent.
 
-Memory is bounded by ``capacity`` tokens: the oldest texts are dropped first (with their index
-entries), so an index filled by a busy server keeps the most recent traffic. A token costs about
-160 bytes with its entries (Python integers in dicts and lists; measured in docs/serve.md).
+Memory is fixed by ``capacity``: a slot costs 4 bytes (token), 8 (link) and 8 to 16 (the bucket
+heads, a power of two at least the capacity), about 20 bytes in all (measured in docs/serve.md),
+allocated when the index is made. New text overwrites the oldest, so an index filled by a busy
+server keeps the most recent traffic; a link into overwritten slots is recognized by its position
+and ends the walk.
 """
 
 from __future__ import annotations
 
 import threading
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 #: the most recent occurrences of a token pair a query compares (bounds a step's drafting time)
 SCAN = 64
-#: a pair's key: ``first << PAIR_SHIFT | second`` (vocabularies stay below 2 ** 24 tokens)
-PAIR_SHIFT = 24
-#: an occurrence: ``text id << POSITION_SHIFT | position of the pair's second token``
-POSITION_SHIFT = 32
+#: chain links a query follows at most (other pairs sharing the bucket included)
+VISITS = 4 * SCAN
+#: what separates two texts in the ring (no token id is negative)
+SEPARATOR = -1
 
 
 @dataclass(frozen=True)
@@ -43,73 +49,64 @@ class Match:
 
 
 class SuffixIndex:
-    """Token texts and where each adjacent token pair occurs in them, bounded by ``capacity`` tokens.
+    """Token texts and where each adjacent token pair occurs in them, in ``capacity`` slots.
 
-    A text is added whole (:meth:`add`) or grown as it is written (:meth:`extend`, the running
-    generation's own context). Not thread-safe by itself: :class:`SharedSuffixIndex` adds the lock.
+    A text is added whole (:meth:`add`) or grown as it is written (:meth:`extend` continues the
+    last text: the running generation's own context). Not thread-safe by itself:
+    :class:`SharedSuffixIndex` adds the lock.
 
     Args:
-        capacity: the most tokens kept over all texts (>= 1); the oldest texts go first. A text
-            longer than the capacity keeps its last ``capacity`` tokens.
+        capacity: slots kept (>= 1): tokens, plus one separator between two texts. When full, each
+            new token overwrites the oldest; a text longer than the capacity keeps its last
+            ``capacity`` tokens.
+
+    Raises:
+        ValueError: a capacity below 1.
     """
 
     def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a suffix index needs a capacity of at least 1 slot, got {capacity}.")
         self.capacity = capacity
-        self._texts: OrderedDict[int, list[int]] = OrderedDict()  # text id -> tokens, oldest first
-        self._pairs: dict[int, list[int]] = {}  # pair key -> occurrences, oldest first
-        self._next_id = 0
-        self.size = 0  # tokens held
+        self._tokens = array("i", bytes(4 * capacity))  # slot -> token (position % capacity)
+        self._links = array("q", bytes(8 * capacity))  # slot -> the bucket's previous position, or -1
+        buckets = 1 << max(4, (capacity - 1).bit_length())
+        self._mask = buckets - 1
+        self._heads = array("q", [-1]) * buckets  # bucket -> its most recent position, or -1
+        self._end = 0  # the position the next token is written at (positions only grow)
 
-    def __len__(self) -> int:
-        return len(self._texts)
+    @property
+    def size(self) -> int:
+        """Slots in use (tokens and separators), at most the capacity."""
+        return min(self._end, self.capacity)
 
-    def text(self, text_id: int) -> list[int]:
-        """The stored text ``text_id`` (empty once dropped); the index's own list: do not change it."""
-        return self._texts.get(text_id, [])
+    def add(self, tokens: list[int]) -> None:
+        """Store a new text."""
+        if self._end:
+            self._write([SEPARATOR])
+        self._write(tokens[-self.capacity:])
 
-    def add(self, tokens: list[int]) -> int:
-        """Store a new text; returns its id (for :meth:`extend`)."""
-        text_id, self._next_id = self._next_id, self._next_id + 1
-        self._texts[text_id] = []
-        self.extend(text_id, tokens[-self.capacity:])
-        return text_id
+    def extend(self, tokens: list[int]) -> None:
+        """Append ``tokens`` to the last text stored."""
+        self._write(tokens)
 
-    def extend(self, text_id: int, tokens: list[int]) -> None:
-        """Append ``tokens`` to the stored text ``text_id`` (one that was dropped stays dropped)."""
-        text = self._texts.get(text_id)
-        if text is None or not tokens:
-            return
-        start = len(text)
-        text.extend(tokens)
-        base = text_id << POSITION_SHIFT
-        pairs = self._pairs
-        for position in range(max(start, 1), len(text)):
-            key = text[position - 1] << PAIR_SHIFT | text[position]
-            found = pairs.get(key)
-            if found is None:
-                pairs[key] = [base | position]
+    def _bucket(self, first: int, second: int) -> int:
+        return hash((first, second)) & self._mask
+
+    def _write(self, tokens: list[int]) -> None:
+        ring, links, heads, capacity = self._tokens, self._links, self._heads, self.capacity
+        position = self._end
+        before = ring[(position - 1) % capacity] if position else SEPARATOR
+        for token in tokens:
+            slot = position % capacity
+            ring[slot] = token
+            if before == SEPARATOR or token == SEPARATOR:
+                links[slot] = -1
             else:
-                found.append(base | position)
-        self.size += len(tokens)
-        while self.size > self.capacity and len(self._texts) > 1:
-            self._drop_oldest()
-
-    def _drop_oldest(self) -> None:
-        text_id, text = self._texts.popitem(last=False)
-        self.size -= len(text)
-        oldest_kept = (text_id + 1) << POSITION_SHIFT
-        for position in range(1, len(text)):
-            key = text[position - 1] << PAIR_SHIFT | text[position]
-            found = self._pairs.get(key)
-            if found is None or found[0] >= oldest_kept:
-                continue  # this pair's entries of the dropped text are gone already
-            cut = 0
-            while cut < len(found) and found[cut] < oldest_kept:
-                cut += 1
-            if cut == len(found):
-                del self._pairs[key]
-            else:
-                del found[:cut]
+                bucket = hash((before, token)) & self._mask
+                links[slot], heads[bucket] = heads[bucket], position
+            before, position = token, position + 1
+        self._end = position
 
     def longest_match(self, context: list[int], min_length: int, max_length: int, depth: int) -> Match | None:
         """The occurrences of the longest suffix of ``context`` (at most ``max_length`` tokens, at
@@ -126,28 +123,40 @@ class SuffixIndex:
         """
         if len(context) < 2 or depth <= 0:
             return None
-        found = self._pairs.get(context[-2] << PAIR_SHIFT | context[-1])
-        if not found:
-            return None
+        first, second = context[-2], context[-1]
+        ring, links, capacity, end = self._tokens, self._links, self.capacity, self._end
+        oldest = max(0, end - capacity)  # the oldest position not overwritten
         tail = context[-max_length:]
-        need = max(min_length, 2)
-        best, hits = need, []
-        mask = (1 << POSITION_SHIFT) - 1
-        for occurrence in reversed(found[-SCAN:]):
-            text_id, position = occurrence >> POSITION_SHIFT, occurrence & mask
-            text = self._texts[text_id]
-            if position + 1 >= len(text):
-                continue  # nothing followed it (yet)
-            length = 2
-            while length < len(tail) and length <= position and text[position - length] == tail[-1 - length]:
-                length += 1
-            if length < need:
-                continue
-            if length > best:
-                best, hits = length, []
-            if length == best:
-                hits.append(text[position + 1: position + 1 + depth])
+        best, hits = max(min_length, 2), []
+        position, seen, visits = self._heads[self._bucket(first, second)], 0, 0
+        longest = len(tail)
+        while position > oldest and seen < SCAN and visits < VISITS:
+            visits += 1
+            slot = position % capacity
+            if ring[slot] == second and ring[slot - 1] == first:  # slot - 1 == -1 reads the last slot
+                seen += 1
+                if position + 1 < end and ring[(slot + 1) % capacity] != SEPARATOR:
+                    # the agreement before it: at most the tail, and not into overwritten slots
+                    reach = min(longest, position - oldest + 1)
+                    length = 2
+                    while length < reach and ring[slot - length] == tail[-1 - length]:
+                        length += 1
+                    if length > best:
+                        best, hits = length, []
+                    if length == best:
+                        hits.append(self._continuation(position + 1, depth))
+            position = links[slot]
         return Match(best, hits) if hits else None
+
+    def _continuation(self, start: int, depth: int) -> list[int]:
+        """Up to ``depth`` tokens from ``start``, to the end of their text."""
+        out, ring, capacity = [], self._tokens, self.capacity
+        for position in range(start, min(start + depth, self._end)):
+            token = ring[position % capacity]
+            if token == SEPARATOR:
+                break
+            out.append(token)
+        return out
 
 
 class SharedSuffixIndex:
