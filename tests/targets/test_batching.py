@@ -25,7 +25,7 @@ from specwise.engine.cost_model import VerifyCostTable
 from specwise.engine.load import Acceptance, BatchLoad, cost_table, draft_budgets
 from specwise.errors import ConfigError, PromptError
 from specwise.many import batch_load
-from specwise.targets.batching import DecodeBatcher
+from specwise.targets.batching import DecodeBatcher, EngineThread
 
 llamacpp = pytest.importorskip("specwise.targets.llamacpp")
 if not llamacpp.available():
@@ -218,6 +218,58 @@ def test_a_failed_round_raises_in_every_member_and_a_leaving_one_frees_the_rest(
         out.append(done.submit(0))
     t.join()
     assert out == [1]
+
+
+def test_the_engine_thread_runs_every_call_on_itself_and_hands_back_errors():
+    engine = EngineThread("test-engine")
+    ran_on = set()
+
+    def record():
+        ran_on.add(threading.get_ident())
+        return engine.call(lambda: threading.get_ident())  # a call from the engine thread runs in place
+
+    callers = [threading.Thread(target=engine.call, args=(record,)) for _ in range(4)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(timeout=30)
+    assert len(ran_on) == 1 and ran_on != {threading.get_ident()}
+    def fail():
+        raise ValueError("bad")
+
+    with pytest.raises(ValueError, match="bad"):
+        engine.call(fail)
+    assert engine.call(lambda: 7) == 7  # still serving after an error
+    engine.close()
+
+
+def test_every_decode_of_a_batch_runs_on_one_thread_and_the_target_is_freed(tmp_path):
+    """ggml's OpenMP keeps a team per calling thread: batched members' rounds are all decoded on the
+    target's engine thread, not on whichever member came last; and that thread keeps no target alive."""
+    import gc
+    import weakref
+
+    target = llamacpp.LlamaCppTarget(write_tiny_llama(tmp_path / "tiny.gguf"), make_tokenizer(VOCAB), "tiny", threads=1)
+    callers = set()
+    real = llamacpp.lc.llama_decode
+
+    def decode(ctx, batch):
+        callers.add(threading.get_ident())
+        return real(ctx, batch)
+
+    llamacpp.lc.llama_decode = decode
+    try:
+        specwise.generate_many(target, PROMPTS[:4], max_batch=4, max_new_tokens=8)
+    finally:
+        llamacpp.lc.llama_decode = real
+    assert len(callers) == 1 and threading.get_ident() not in callers
+    engine = target._engine._thread
+    gone = weakref.ref(target)
+    del target
+    gc.collect()
+    assert gone() is None
+    engine.join(timeout=10)
+    assert not engine.is_alive()
 
 
 # ---------------------------------------------------------------- batched generations are exact

@@ -16,6 +16,7 @@ kernels (a batched matmul may round a near-tie otherwise, as a longer verificati
 
 from __future__ import annotations
 
+import queue
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -126,3 +127,58 @@ class DecodeBatcher:
                     self._running = False
                     self.rounds += 1
                     self._changed.notify_all()
+
+
+@dataclass(eq=False)
+class _Call:
+    run: Callable[[], Any] | None
+    result: Any = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class EngineThread:
+    """One long-lived thread that runs every call given to :meth:`call`, the caller waiting.
+
+    An engine whose kernels run on an OpenMP team (ggml's CPU backend) keeps one team of worker
+    threads per thread that calls it, and a team its caller has left idle keeps spinning for a
+    while on the cores the next call needs. Batched generations call from many threads (the last
+    member to arrive runs the round), so every call is made from this one thread instead
+    (docs/serve.md, "The round").
+
+    Args:
+        name: the thread's name.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=_serve_calls, args=(self._calls,), name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, run: Callable[[], Any]) -> Any:
+        """``run()`` on the engine thread (directly when called from it); its result, or what it raised."""
+        if threading.current_thread() is self._thread:
+            return run()
+        call = _Call(run)
+        self._calls.put(call)
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def close(self) -> None:
+        """End the thread once the calls already given have run (a later :meth:`call` would wait forever)."""
+        self._calls.put(None)
+
+
+def _serve_calls(calls: queue.SimpleQueue) -> None:
+    # a function, not a method: the thread must not keep its owner alive between calls
+    while (call := calls.get()) is not None:
+        try:
+            call.result = call.run()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            call.error = exc
+        finally:
+            call.run = None  # the callable may hold its owner: drop it before waiting for the next
+            call.done.set()
+        del call

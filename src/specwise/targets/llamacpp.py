@@ -56,7 +56,7 @@ from specwise.engine.capacity import Capacity
 from specwise.engine.clock import cpu_flags
 from specwise.engine.target import AttentionLayout, TargetOutput
 from specwise.errors import CapacityError, ConfigError, EngineError, TargetLoadError
-from specwise.targets.batching import DecodeBatcher
+from specwise.targets.batching import DecodeBatcher, EngineThread
 from specwise.targets.chat import chat_prompt_ids, check_messages, end_of_turn_ids
 from specwise.targets.gguf_parts import GGUFParts
 
@@ -355,11 +355,12 @@ class LlamaCppTarget:
         self._live: dict[int, list[int]] = {}  # slot -> its committed tokens (running generations)
         self._kept: dict[int, list[int]] = {}  # free slot -> the tokens its committed sequence still holds
         self._batch = lc.llama_batch_init(BATCH_TOKENS, 0, SEQUENCES_PER_GENERATION)
-        self._batcher = DecodeBatcher(self._decode_many)
+        self._engine = EngineThread(f"specwise-llamacpp-{name}")
+        self._batcher = DecodeBatcher(self._decode_on_engine)
         # the pool's cells (the unified cache holds max_context) and ranges, reserved by the
         # generations a batch admits (the worker, generate_many)
         self.capacity = Capacity(self.max_context, GENERATIONS)
-        self._finalizer = weakref.finalize(self, _free_native, self._batch, self.ctx, self.model)
+        self._finalizer = weakref.finalize(self, _free_native, self._batch, self.ctx, self.model, self._engine)
 
     def _context_params(self):
         params = lc.llama_context_default_params()
@@ -574,6 +575,11 @@ class LlamaCppTarget:
         hidden = {layer: self._hidden_rows(layer, pieces[layer], len(tokens), wanted) for layer in taps.values()}
         return (out[[index[r] for r in rows]] if rows != wanted else out), hidden
 
+    def _decode_on_engine(self, requests: list) -> None:
+        """:meth:`_decode_many` on the target's engine thread, whichever thread asks
+        (:class:`specwise.targets.batching.EngineThread`: ggml's OpenMP team stays one)."""
+        self._engine.call(lambda: self._decode_many(requests))
+
     def _decode_many(self, requests: list) -> None:
         """Run the requests' decodes (each :class:`_Decode` whole), packed into as few
         ``llama_decode`` calls of at most :data:`BATCH_TOKENS` tokens as their order allows; sets each
@@ -755,7 +761,8 @@ def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
     return i
 
 
-def _free_native(batch, ctx, model) -> None:
+def _free_native(batch, ctx, model, engine) -> None:
+    engine.close()
     lc.llama_batch_free(batch)
     lc.llama_free(ctx)
     lc.llama_model_free(model)
