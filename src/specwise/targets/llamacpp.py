@@ -576,9 +576,14 @@ class LlamaCppTarget:
         return (out[[index[r] for r in rows]] if rows != wanted else out), hidden
 
     def _decode_on_engine(self, requests: list) -> None:
-        """:meth:`_decode_many` on the target's engine thread, whichever thread asks
-        (:class:`specwise.targets.batching.EngineThread`: ggml's OpenMP team stays one)."""
-        self._engine.call(lambda: self._decode_many(requests))
+        """:meth:`_decode_many`, on the target's engine thread while several generations take turns
+        running the rounds (:class:`specwise.targets.batching.EngineThread`: ggml's OpenMP team stays
+        one), else on the calling thread, which is then the only one calling (a thread hop per
+        step cost a lone generation a few percent)."""
+        if self._batcher.members < 2:
+            self._decode_many(requests)
+        else:
+            self._engine.call(lambda: self._decode_many(requests))
 
     def _decode_many(self, requests: list) -> None:
         """Run the requests' decodes (each :class:`_Decode` whole), packed into as few
