@@ -251,10 +251,10 @@ def test_every_decode_of_a_batch_runs_on_one_thread_and_the_target_is_freed(tmp_
 
     target = llamacpp.LlamaCppTarget(write_tiny_llama(tmp_path / "tiny.gguf"), make_tokenizer(VOCAB), "tiny", threads=1)
     callers = set()
-    real = llamacpp.lc.llama_decode
+    real, batcher = llamacpp.lc.llama_decode, target._batcher
 
     def decode(ctx, batch):
-        if target._batcher.members >= 2:  # alone, a generation decodes on its own thread
+        if batcher.members >= 2:  # alone, a generation decodes on its own thread
             callers.add(threading.get_ident())
         return real(ctx, batch)
 
