@@ -266,7 +266,7 @@ def test_every_decode_of_a_batch_runs_on_one_thread_and_the_target_is_freed(tmp_
     assert len(callers) == 1 and threading.get_ident() not in callers
     engine = target._engine._thread
     gone = weakref.ref(target)
-    del target
+    del target, batcher  # the batcher runs the target's rounds: it holds the target
     gc.collect()
     assert gone() is None
     engine.join(timeout=10)
