@@ -251,10 +251,10 @@ def test_every_decode_of_a_batch_runs_on_one_thread_and_the_target_is_freed(tmp_
 
     target = llamacpp.LlamaCppTarget(write_tiny_llama(tmp_path / "tiny.gguf"), make_tokenizer(VOCAB), "tiny", threads=1)
     callers = set()
-    real, batcher = llamacpp.lc.llama_decode, target._batcher
+    real, batcher = llamacpp.lc.llama_decode, weakref.ref(target._batcher)  # the batcher holds the target
 
     def decode(ctx, batch):
-        if batcher.members >= 2:  # alone, a generation decodes on its own thread
+        if batcher().members >= 2:  # alone, a generation decodes on its own thread
             callers.add(threading.get_ident())
         return real(ctx, batch)
 
@@ -266,7 +266,7 @@ def test_every_decode_of_a_batch_runs_on_one_thread_and_the_target_is_freed(tmp_
     assert len(callers) == 1 and threading.get_ident() not in callers
     engine = target._engine._thread
     gone = weakref.ref(target)
-    del target, batcher  # the batcher runs the target's rounds: it holds the target
+    del target
     gc.collect()
     assert gone() is None
     engine.join(timeout=10)
