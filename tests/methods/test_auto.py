@@ -142,6 +142,25 @@ def test_auto_switches_when_acceptance_changes_and_stays_exact():
     assert sum(n for m, n in result.stats.method_steps if m == "oracle") <= 30 // 5 + 2 * 4
 
 
+@pytest.mark.parametrize("batch_size, runs", [(1, ["oracle", "ar"]), (2, ["oracle"])])
+def test_a_segment_run_in_a_batch_never_makes_auto_leave_its_candidate(batch_size, runs):
+    """Beside other generations a step takes the batch's time: the running candidate's segment there
+    does not compare with the others' speeds (remembered from steps run alone), so ``auto`` keeps
+    the candidate it runs, where alone it leaves a drafter that stopped matching."""
+    target, prompt, continuation = _setup()
+    clock = FakeClock()
+    oracle = OracleDrafter(continuation, prompt.numel(), 4, mismatch_at=range(30, NEW))
+    auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "oracle": Costly(oracle, clock, 1.1)}, clock,
+                 decide_every=4)
+    _measured(auto.profile, "ar", 1.0, 1.0, 50)
+    _measured(auto.profile, "oracle", 5.0, 1.1, 50)
+    target.batch_size = batch_size  # what a batching target reports with that many generations running
+    auto.target = target
+    result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
+    assert result.token_ids == list(continuation)
+    assert [method for method, _ in result.stats.method_steps] == runs, result.stats.method_steps
+
+
 def test_a_costly_first_step_is_counted_as_rebuilding_not_as_speed():
     """A drafter that catches up on the whole context in its first step (as EAGLE does after a
     switch) is judged by its later steps."""

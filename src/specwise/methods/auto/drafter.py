@@ -449,6 +449,10 @@ class AutoRun:
         current = self.active
         recent = self._last_segment
         measured = current is not None and recent.steps >= cfg.probe_steps
+        if measured and self._loaded:
+            # its segment ran beside other generations: its rate is the batch's, to which the others'
+            # (remembered from steps run alone) do not compare, so it would always look the slowest
+            return current
         # how this text compares with the texts the running drafter was measured on; plain decoding's
         # speed does not depend on the text, a drafter's does, and alike for every drafter
         difficulty = 1.0
