@@ -144,7 +144,7 @@ class EngineThread:
     threads per thread that calls it, and a team its caller has left idle keeps spinning for a
     while on the cores the next call needs. Batched generations call from many threads (the last
     member to arrive runs the round), so every call is made from this one thread instead
-    (docs/serve.md, "The round").
+    (docs/serve.md, "Concurrency and limits", measured there).
 
     Args:
         name: the thread's name.
