@@ -578,8 +578,8 @@ class LlamaCppTarget:
     def _decode_on_engine(self, requests: list) -> None:
         """:meth:`_decode_many`, on the target's engine thread while several generations take turns
         running the rounds (:class:`specwise.targets.batching.EngineThread`: ggml's OpenMP team stays
-        one), else on the calling thread, which is then the only one calling (a thread hop per
-        step cost a lone generation a few percent)."""
+        one), else on the calling thread: alone, a generation's thread is the only one calling, so
+        there is no other team to spin, and a hop per step would only add its wake-ups."""
         if self._batcher.members < 2:
             self._decode_many(requests)
         else:

@@ -103,7 +103,7 @@ class SuffixIndex:
             if before == SEPARATOR or token == SEPARATOR:
                 links[slot] = -1
             else:
-                bucket = hash((before, token)) & self._mask
+                bucket = self._bucket(before, token)
                 links[slot], heads[bucket] = heads[bucket], position
             before, position = token, position + 1
         self._end = position
