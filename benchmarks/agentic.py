@@ -3,7 +3,7 @@ multi-turn conversations, on ``specwise serve`` (several methods, one server) an
 (several ``--spec-type`` configurations), in one run.
 
 The conversations are built at run time from the project's prompt data (``../shared/data``, never
-copied here; sources and licences in its SOURCES.md) and tools written for this benchmark
+copied here; sources and licences in the SOURCES file beside it) and tools written for this benchmark
 (:data:`TOOLS`), in three kinds:
 
 - ``tools``: an XQuAD question (rag.jsonl, CC BY-SA 4.0) asked of an assistant with three tools;
@@ -20,7 +20,7 @@ defaults (so each keeps its own conversation's prefix and, for ``suffix`` and ``
 index of earlier replies), as each llama-server configuration does. llama-server gets the prompt as token ids rendered by
 the target's own chat template (tools included), and a call turn as the prompt followed by the call's
 opening marker with the call's JSON schema as ``json_schema`` (b11434's own tool calling did not
-produce calls on this model; docs/benchmarks/agentic-report.md). Our server keeps prefix reuse on
+produce calls on this model; docs/benchmarks/agentic-qwen-report.md). Our server keeps prefix reuse on
 (its default), llama-server ``cache_prompt`` on (its default), both ``--poll 0``-style idle.
 
 Measured per turn: wall time from request to full reply (prefill included), completion tokens from

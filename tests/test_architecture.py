@@ -199,7 +199,7 @@ def _comments_and_docstrings(source: str):
 
 
 def test_no_code_comment_quotes_a_benchmark_figure_or_the_readme():
-    """Figures rot with the next run: comments point to a report in docs/ instead (ARCHITECTURE.md §5)."""
+    """Figures rot with the next run: comments point to a report in docs/ instead (docs/design.md, Measuring)."""
     found = []
     for name, path in MODULES.items():
         for number, line in _comments_and_docstrings(path.read_text()):
@@ -239,3 +239,37 @@ def test_every_subcommand_module_exists_and_sits_in_a_layer():
     for name, (module, *_rest) in COMMANDS.items():
         assert module in MODULES, (name, module)
         layer(module)
+
+
+# --------------------------------------------------------------------------------------------
+# references: every document the code cites is in the repository
+
+ROOT = SRC.parent
+#: a cited document: a file under ``docs/`` or a capitalised one (``README.md``), with an optional
+#: section of docs/algorithms.md after it; other ``.md`` names in code are files it writes
+DOC_REFERENCE = re.compile(r"(?<![\w./-])((?:\.\./)*(?:docs/[\w./-]*[\w-]|[A-Z][A-Z_]+)\.md)(?: §([0-9.]*[0-9]))?")
+
+
+def _cited_documents() -> list[tuple[str, str, str]]:
+    """``(where, file, section)`` for each Markdown file a source, test, benchmark or script cites."""
+    found = []
+    for folder in ("src/specwise", "tests", "benchmarks", "scripts"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for number, line in _comments_and_docstrings(path.read_text()):
+                for match in DOC_REFERENCE.finditer(line):
+                    found.append((f"{path.relative_to(ROOT)}:{number}", match.group(1), match.group(2) or ""))
+    return found
+
+
+def test_every_document_the_code_cites_is_in_the_repository():
+    """A reader of the code or of the wheel's sources can follow every reference: each cited
+    document exists in the repository, and each cited section of
+    docs/algorithms.md is one of its headings."""
+    headings = set(re.findall(r"^#+ §([0-9.]+)", (ROOT / "docs" / "algorithms.md").read_text(), re.M))
+    missing = []
+    for where, name, section in _cited_documents():
+        if not (ROOT / name).is_file():
+            missing.append(f"{where}: {name}")
+        elif section and name.endswith("algorithms.md") and section not in headings:
+            missing.append(f"{where}: {name} §{section}")
+    assert not missing, "references to documents or sections the repository does not have:\n" + "\n".join(missing)

@@ -1,4 +1,4 @@
-"""The ``specwise`` command line (ARCHITECTURE.md §3).
+"""The ``specwise`` command line (docs/usage.md).
 
 Each subcommand lives in the module that does its work and is imported only when it runs, so
 ``specwise --help`` imports no model code and ``specwise generate`` none of the lab's. Bad input is

@@ -1,4 +1,4 @@
-"""Prompt sets: JSONL files of ``{"id", "category", "prompt"}`` objects (ARCHITECTURE.md §3)."""
+"""Prompt sets: JSONL files of ``{"id", "category", "prompt"}`` objects (docs/usage.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Greedy decoding through the speculative loop equals plain greedy decoding, token for token.
 
 For both tiny architectures (Llama; Gemma-3 with a sliding window of 8, which every prompt here
-crosses) and draft lengths k in {1, 2, 5, 8}, at three acceptance regimes (ALGORITHMS.md §1.3,
-STYLE.md P11.3): everything accepted, nothing accepted, and mismatches at known positions. After
+crosses) and draft lengths k in {1, 2, 5, 8}, at three acceptance regimes (docs/algorithms.md §1.3):
+everything accepted, nothing accepted, and mismatches at known positions. After
 every step the target's KV cache must hold exactly the committed tokens minus the root.
 """
 

@@ -1,4 +1,4 @@
-"""Tree verification (ALGORITHMS.md §2): tree buffers and masks, the tree forward, KV compaction,
+"""Tree verification (docs/algorithms.md §2): tree buffers and masks, the tree forward, KV compaction,
 greedy tree acceptance through the loop, and the statistics of recursive rejection sampling.
 
 Layers, bottom up:

@@ -1,7 +1,7 @@
 """Verification maths (specwise.engine.verify): fixed outcomes on hand-built distributions, then statistics.
 
 The statistical tests draw 20,000 verifications on synthetic target (p) and draft (q)
-distributions over V = 6 tokens and check the two identities of ALGORITHMS.md §1.2: the emitted
+distributions over V = 6 tokens and check the two identities of docs/algorithms.md §1.2: the emitted
 token is distributed as p, and the first draft is accepted with probability sum_x min(p, q).
 """
 

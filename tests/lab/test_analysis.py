@@ -1,4 +1,4 @@
-"""The speedup model (ALGORITHMS.md §1.5): the formula against a Monte-Carlo simulation of the
+"""The speedup model (docs/algorithms.md §1.5): the formula against a Monte-Carlo simulation of the
 acceptance process, the optimal k against brute force and the published table, calibration on a
 tiny model, measured points from a bench result, and the plots / CLI of ``specwise analyze``."""
 
@@ -66,7 +66,7 @@ def test_simulation_is_reproducible_with_its_generator():
     np.testing.assert_array_equal(a, b)
 
 
-#: ALGORITHMS.md §1.5, brute force with v = 1: c -> [(k*, S) at alpha 0.6, 0.7, 0.8, 0.9]
+#: docs/algorithms.md §1.5, brute force with v = 1: c -> [(k*, S) at alpha 0.6, 0.7, 0.8, 0.9]
 PUBLISHED = {
     0.02: [(6, 2.17), (8, 2.76), (11, 3.82), (19, 6.37)],
     0.05: [(4, 1.92), (6, 2.35), (8, 3.09), (13, 4.67)],

@@ -1,4 +1,4 @@
-"""Drafter checkpoints: a directory with ``config.json`` and ``model.safetensors`` (ARCHITECTURE.md §6).
+"""Drafter checkpoints: a directory with ``config.json`` and ``model.safetensors`` (docs/training.md).
 
 ``config.json`` records the method, the architecture, the target the drafter was trained for (its
 name and a fingerprint of its config and vocabulary), the recipe and the measured results;

@@ -3,7 +3,7 @@ distribution, for the tree drafters' ``draft_sampling="sampled"`` mode.
 
 A deterministic tree (the top-k siblings) is a delta proposal: at temperature T its first child x is
 accepted with probability ``p_T(x)``. Siblings drawn one after another without replacement from the
-drafter's q_T (SpecInfer, Miao et al. 2024; the multi-draft rule of ALGORITHMS.md §2.4) are accepted
+drafter's q_T (SpecInfer, Miao et al. 2024; the multi-draft rule of docs/algorithms.md §2.4) are accepted
 with ``sum_x min(p_T, q_T)`` for the first, and each later sibling against the residual, which pays
 when q_T is close to p_T and the target is not confident. Which is faster is measured per drafter.
 

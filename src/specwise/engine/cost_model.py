@@ -1,4 +1,4 @@
-"""The speedup model of chain speculative decoding (Leviathan et al. 2023; ALGORITHMS.md §1.5).
+"""The speedup model of chain speculative decoding (Leviathan et al. 2023; docs/algorithms.md §1.5).
 
 Each draft token is assumed to be accepted independently with probability ``alpha`` (the
 acceptance rate: accepted drafts / drafted tokens, the bonus token not a draft). One step drafts

@@ -1,4 +1,4 @@
-"""The one interface every drafting method implements (ARCHITECTURE.md §2, §9).
+"""The one interface every drafting method implements (docs/design.md).
 
 A drafter proposes draft tokens from the committed context (:meth:`Drafter.propose`); the loop
 verifies them in one target forward and tells the drafter what was accepted

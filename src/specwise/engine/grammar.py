@@ -6,7 +6,7 @@ position into p′: the logits of the tokens the grammar refuses after that posi
 :mod:`specwise.engine.sampling`). Speculative decoding stays exact with respect to p′ when every
 verified row is masked with its own prefix's mask, and a draft token the grammar refuses is a
 *rejected* draft (p′ gives it probability 0): the token chosen there comes from the residual
-``norm(max(p′ − q, 0))`` with the drafter's own q (ALGORITHMS.md §1.4; Leviathan et al. 2023).
+``norm(max(p′ − q, 0))`` with the drafter's own q (docs/algorithms.md §1.4; Leviathan et al. 2023).
 
 The masks come from llguidance (Microsoft's grammar engine made for token masks, with rollback;
 the one llama.cpp, vLLM and SGLang use). :class:`GrammarCompiler` wraps a target's tokenizer once

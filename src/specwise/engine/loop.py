@@ -7,7 +7,7 @@ The loop knows no method: what a proposal carries besides its tokens (auxiliary 
 same forward, an acceptance rule other than the exact one) is handled by the verification step
 (:mod:`specwise.engine.step`) through the proposal's own fields.
 
-Conventions (ALGORITHMS.md §0): the committed sequence ends with the *root*, a token the target
+Conventions (docs/algorithms.md §0): the committed sequence ends with the *root*, a token the target
 chose but has not processed yet, so the KV cache always holds ``len(committed) - 1`` positions.
 """
 

@@ -20,7 +20,7 @@ from specwise.engine.sampling import probs_from_scores, sample_token
 
 @dataclass(frozen=True)
 class TypicalAcceptance(AcceptanceRule):
-    """Medusa's *typical acceptance* rule (Cai et al. 2024; ALGORITHMS.md §2.6). **Not lossless.**
+    """Medusa's *typical acceptance* rule (Cai et al. 2024; docs/algorithms.md §2.6). **Not lossless.**
 
     When sampling, a draft node is accepted when the target gives its token probability above
     ``min(posterior_threshold, posterior_alpha * exp(-H(p)))`` (H: the entropy of the target's
@@ -54,7 +54,7 @@ def typical_tree_accept(
     generator: torch.Generator | None = None,
 ) -> tuple[list[int], int]:
     """Medusa's typical acceptance over a tree (Cai et al. 2024, ``evaluate_posterior``;
-    ALGORITHMS.md §2.6). **Lossy**: the output is not distributed as the target's.
+    docs/algorithms.md §2.6). **Lossy**: the output is not distributed as the target's.
 
     A node is accepted when the target's probability of its token at its parent exceeds
     ``min(posterior_threshold, posterior_alpha * exp(-H))``, with ``H = -sum p log(p + 1e-5)`` the

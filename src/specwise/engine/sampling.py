@@ -1,6 +1,6 @@
 """Logits processing shared by the target and every drafter.
 
-The lossless guarantee is relative to the *processed* target distribution (ALGORITHMS.md §1.4):
+The lossless guarantee is relative to the *processed* target distribution (docs/algorithms.md §1.4):
 at every position the pipeline is applied with that position's own prefix, in Hugging Face order —
 repetition penalty, then temperature, then top-k, then top-p. Drafters that return probabilities
 must build them with the same pipeline on their own prefix, so acceptance stays high.

@@ -1,4 +1,4 @@
-"""What the decoding loop needs from a target (ARCHITECTURE.md §9): the interface every engine's
+"""What the decoding loop needs from a target (docs/design.md): the interface every engine's
 target implements, and the shapes it passes.
 
 The loop, the verification step and the drafters see a target only through this interface, so a

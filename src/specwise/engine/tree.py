@@ -1,4 +1,4 @@
-"""Draft trees and the attention masks that verify them in one forward (ALGORITHMS.md §2).
+"""Draft trees and the attention masks that verify them in one forward (docs/algorithms.md §2).
 
 Pure tensor code: no models, no caches. Node 0 of a tree is the root (the last committed token,
 not yet seen by the target); nodes are in topological order (``parents[i] < i``).
@@ -215,7 +215,7 @@ def graft_chain(tokens: torch.Tensor, parents: torch.Tensor | None,
     """Add a chain of draft tokens to a draft tree as a path from the root, sharing every prefix
     the tree already has (:func:`merge_paths` on tensors).
 
-    Used to verify a context lookup's draft (ALGORITHMS.md §6) in the same forward as a model's
+    Used to verify a context lookup's draft (docs/algorithms.md §6) in the same forward as a model's
     draft tree (the retrieval-plus-model idea of SAM-Decoding, Hu et al. 2024). Where the chain's
     first i tokens follow an existing path, no node is added; from its first token off the tree on,
     each chain token becomes a new node appended after the existing ones, so node order stays

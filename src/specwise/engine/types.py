@@ -284,7 +284,7 @@ class SpecStats:
         return max(0.0, self.wall_time_s - self.draft_time_s - self.verify_time_s)
 
     def to_dict(self) -> dict:
-        """The JSON-ready summary (ARCHITECTURE.md §3) plus the raw counters."""
+        """The JSON-ready summary (docs/usage.md) plus the raw counters."""
         raw = asdict(self)
         summary = {
             "method": self.method,

@@ -3,7 +3,7 @@
 Every rule here is exact: the emitted tokens are distributed as decoding the target alone. Lossy
 relaxations (Medusa's typical acceptance) live apart, in :mod:`specwise.engine.lossy`.
 
-Names follow ALGORITHMS.md §0: ``target_probs`` (p) and ``draft_probs`` (q). ``num_accepted``
+Names follow docs/algorithms.md §0: ``target_probs`` (p) and ``draft_probs`` (q). ``num_accepted``
 counts accepted draft tokens and excludes the bonus / correction token; a step emits
 ``num_accepted + 1`` tokens.
 """
@@ -18,7 +18,7 @@ _RESIDUAL_EPS = 1e-12
 
 
 def greedy_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tuple[int, int]:
-    """Greedy chain verification (ALGORITHMS.md §1.3).
+    """Greedy chain verification (docs/algorithms.md §1.3).
 
     Args:
         draft_tokens: ``[K]`` long, the proposed tokens (K may be 0).
@@ -114,7 +114,7 @@ def speculative_sample(
 def greedy_tree_accept(
     children: tuple[tuple[int, ...], ...], node_tokens: list[int], target_tokens: list[int]
 ) -> tuple[list[int], int]:
-    """Greedy tree verification (ALGORITHMS.md §2.3): follow the child equal to the target's argmax.
+    """Greedy tree verification (docs/algorithms.md §2.3): follow the child equal to the target's argmax.
 
     Args:
         children: per node, its child node indices (see :class:`specwise.engine.tree.DraftTree`).
@@ -146,7 +146,7 @@ def tree_speculative_sample(
     sibling_rule: str = "delta",
     generator: torch.Generator | None = None,
 ) -> tuple[list[int], int]:
-    """Lossless tree verification by recursive rejection sampling (SpecInfer; ALGORITHMS.md §2.4).
+    """Lossless tree verification by recursive rejection sampling (SpecInfer; docs/algorithms.md §2.4).
 
     Walking down from the root, the children of the current node are tried in order against a
     residual r that starts as the target distribution p at that node: child x (drawn from q) is

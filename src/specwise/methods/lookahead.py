@@ -1,4 +1,4 @@
-"""``lookahead``: Lookahead decoding (Fu et al. 2024; ALGORITHMS.md §5), training-free.
+"""``lookahead``: Lookahead decoding (Fu et al. 2024; docs/algorithms.md §5), training-free.
 
 Each verification forward also runs a 2-D *Jacobi window* of guesses: ``ngram_size - 1`` levels of
 ``window_size`` tokens, level 0 the oldest. Token (level l, column i) sits ``1 + i + l`` positions

@@ -1,4 +1,4 @@
-"""Context lookup grafted onto a model drafter's tree (ALGORITHMS.md §6, §2).
+"""Context lookup grafted onto a model drafter's tree (docs/algorithms.md §6, §2).
 
 A small target repeats and copies its context often (a summary quotes its document, code repeats
 names, a greedy generation falls into a loop); a trained drafter predicts the next few tokens from

@@ -1,4 +1,4 @@
-"""Predicted Outputs as a drafting source (OpenAI's ``prediction`` field; ALGORITHMS.md §6).
+"""Predicted Outputs as a drafting source (OpenAI's ``prediction`` field; docs/algorithms.md §6).
 
 A request that edits a text ("rename this variable", "add a docstring") mostly repeats it: the
 caller knows the output in advance, up to the edit. As prompt lookup copies the context, this

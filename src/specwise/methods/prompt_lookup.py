@@ -1,4 +1,4 @@
-"""``pld``: prompt lookup / n-gram drafting (Saxena 2023; ALGORITHMS.md §6).
+"""``pld``: prompt lookup / n-gram drafting (Saxena 2023; docs/algorithms.md §6).
 
 The last n committed tokens are searched for earlier in the context (prompt and generated text);
 the tokens that followed the match are proposed. n runs from ``max_ngram_size`` down to

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over one target (ARCHITECTURE.md §8).
+"""The OpenAI-compatible HTTP API over one target (docs/serve.md).
 
 ``create_app`` wires the routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST
 /v1/chat/completions``, ``GET /health``, ``GET /metrics``. The API key is checked before the body

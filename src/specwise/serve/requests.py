@@ -1,5 +1,5 @@
 """A request's path before it runs, as plain functions: check it once against what the server
-serves and its limits, tokenize it, and build the generation it asks for (ARCHITECTURE.md §8).
+serves and its limits, tokenize it, and build the generation it asks for (docs/serve.md).
 
 Nothing here needs a running server: :func:`prepare` takes a parsed request body
 (:mod:`specwise.serve.protocol`) and returns the :class:`Prepared` generation, or raises the

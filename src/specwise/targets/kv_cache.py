@@ -2,7 +2,7 @@
 
 We give every model a cache of *full* layers, sliding-window models included. Hugging Face's
 sliding-window cache layers drop states older than the window, after which ``crop`` cannot roll
-back (ARCHITECTURE.md §4); a full layer keeps everything, and the model's mask builder still applies
+back; a full layer keeps everything, and the model's mask builder still applies
 the sliding window to the layers that use one (it reads the window from the config and the key
 length from the cache). The cost is memory: for Gemma-3-270M at 2k tokens, a few MB.
 

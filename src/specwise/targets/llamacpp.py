@@ -1,5 +1,5 @@
 """A GGUF file on llama.cpp's own engine (ggml), through llama-cpp-python's low-level API
-(ARCHITECTURE.md §9), behind the engine's target interface
+(docs/design.md), behind the engine's target interface
 (:class:`specwise.engine.target.DecodingTarget`).
 
 - A forward is one ``llama_decode`` over the new tokens, with logits asked for exactly the rows

@@ -3,7 +3,7 @@
 One pass of the frozen target over a corpus (:mod:`specwise.training.corpus`) labels every position
 with the target's top-k next-token log-probabilities and, where a recipe asks, the hidden states of
 chosen layers. Distributions are taken over the **draft vocabulary** (the frequency-ranked subset of
-the target's vocabulary a drafter predicts, FR-Spec / EAGLE-3 style, ALGORITHMS.md §9): the target's
+the target's vocabulary a drafter predicts, FR-Spec / EAGLE-3 style, docs/algorithms.md §9): the target's
 LM head restricted to those rows costs a fraction of the full 262k-row head, and a drafter can only
 ever propose tokens of its own vocabulary anyway. Log-probabilities are normalized over that
 vocabulary.

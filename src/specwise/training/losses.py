@@ -4,7 +4,7 @@ top-k, optionally mixed with the total-variation distance that sampled verificat
 Greedy verification accepts a draft when it is the target's argmax, which cross-entropy (KL to the
 target's distribution) rewards. Sampled verification at temperature T accepts a draft drawn from the
 drafter's tempered q_T with probability ``sum_x min(p_T(x), q_T(x)) = 1 - TV(p_T, q_T)``
-(Leviathan et al. 2023; ALGORITHMS.md §1.2), so the distance that acceptance measures is the total
+(Leviathan et al. 2023; docs/algorithms.md §1.2), so the distance that acceptance measures is the total
 variation at the temperature served, not the KL (the divergence DistillSpec, Zhou et al., ICLR 2024,
 ties to acceptance). :class:`DistillLoss` mixes the two.
 

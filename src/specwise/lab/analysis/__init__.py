@@ -1,5 +1,5 @@
 """The theoretical speedup model of speculative decoding, its calibration on this machine, and plots
-that check it against benchmark measurements (ARCHITECTURE.md §5, ALGORITHMS.md §1.5).
+that check it against benchmark measurements (docs/design.md, Measuring; docs/algorithms.md §1.5).
 
 The model itself (:mod:`specwise.engine.cost_model`) and the forward timing
 (:mod:`specwise.engine.timing`, :mod:`specwise.drafters.timing`) live with the engine, which needs

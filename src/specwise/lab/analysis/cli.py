@@ -137,7 +137,7 @@ def analysis_markdown(calibration, points, notes, plots, overlay) -> str:
              f"{c.dtype} on {c.device}, {c.engine} engine ({c.machine.get('processor', '?')}, "
              f"{c.machine.get('cpu_flags', '?')}, {c.machine.get('torch_threads', '?')} threads, torch {c.machine.get('torch', '?')}), calibrated {c.created}, {c.context_length} cached "
              f"tokens, medians of {c.repeats} runs.", "",
-             "Model (ALGORITHMS.md §1.5): E(α, k) = (1 − α^(k+1)) / (1 − α) tokens per step; "
+             "Model (docs/algorithms.md §1.5): E(α, k) = (1 − α^(k+1)) / (1 − α) tokens per step; "
              "speedup = E / (k·c + v(k+1)), with v(n) = t(n) / t(1) and c the draft cost per token relative to t(1).",
              "", "## Verification cost", "",
              "Chain: n tokens, causal mask. Tree: a binary draft tree of n nodes, explicit 4-D mask.", "",

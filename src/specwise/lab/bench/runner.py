@@ -1,6 +1,6 @@
 """Run contenders over prompts, interleaved prompt by prompt, and aggregate the measurements.
 
-Fairness rules (ARCHITECTURE.md §5): one process, the same prompts, one warm-up per contender,
+Fairness rules (docs/design.md, Measuring): one process, the same prompts, one warm-up per contender,
 contender order rotated per prompt, medians reported, speedups as the median of per-prompt ratios
 to the ``ar`` run on the same prompt.
 """

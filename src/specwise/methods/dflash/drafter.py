@@ -1,5 +1,5 @@
 """``dflash``: a block-diffusion drafter drafts ``block_size - 1`` tokens in one forward
-(Chen, Liang, Liu 2026; ALGORITHMS.md §7); the target verifies them as a chain, or as a draft tree.
+(Chen, Liang, Liu 2026; docs/algorithms.md §7); the target verifies them as a chain, or as a draft tree.
 
 Per step:
 

@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion drafter (Chen, Liang, Liu 2026, arXiv 2602.06036; ALGORITHMS.md §7).
+"""The DFlash block-diffusion drafter (Chen, Liang, Liu 2026, arXiv 2602.06036; docs/algorithms.md §7).
 
 A few small transformer layers draft a whole block in one non-causal forward:
 
@@ -14,7 +14,7 @@ A few small transformer layers draft a whole block in one non-causal forward:
   inside the block. The context keys of committed positions are computed once and cached.
 * **Output**: block entry k (k >= 1) predicts the token **at** position P+k (the same-position
   prediction of the paper), through ``final_norm`` and the target's LM-head rows of a reduced draft
-  vocabulary (FR-Spec, ALGORITHMS.md §9), borrowed.
+  vocabulary (FR-Spec, docs/algorithms.md §9), borrowed.
 
 Stored: ``fc``, the norms, the mask vector and the layers (~11 M parameters for Gemma-3-270M with 2
 layers); the target's embeddings and LM-head rows are borrowed at load time.
@@ -237,7 +237,7 @@ class DFlashModel(nn.Module):
 
     # ------------------------------------------------------------------ training
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """Training forward: many blocks per sequence in one pass (ALGORITHMS.md §7.3).
+        """Training forward: many blocks per sequence in one pass (docs/algorithms.md §7.3).
 
         Block b anchored at index ``a_b`` sees the context at indices ``a_b - window <= s < a_b`` and
         its own entries (bidirectionally), nothing of the other blocks: exactly what the block sees

@@ -1,5 +1,5 @@
 """Recipe: train a DFlash drafter (:class:`specwise.methods.dflash.network.DFlashModel`) on the frozen target
-(ALGORITHMS.md §7.3).
+(docs/algorithms.md §7.3).
 
 Data: a self-distillation corpus whose features hold the target's top-k log-probabilities over the
 draft vocabulary and the hidden states of the drafter's feature layers. Each training window gets

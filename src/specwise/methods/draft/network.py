@@ -6,7 +6,7 @@ are borrowed from the target at load time and never stored:
 
 * the input embedding module (for Gemma-3-270M, 168 M of its 268 M parameters);
 * the output layer: the target's LM-head rows of the **draft vocabulary** (a frequency-ranked subset
-  of the target's vocabulary, FR-Spec, ALGORITHMS.md §9), so one draft step costs ``Vd / V`` of the
+  of the target's vocabulary, FR-Spec, docs/algorithms.md §9), so one draft step costs ``Vd / V`` of the
   target's LM head instead of all of it.
 
 Optionally the target's first ``borrowed_layers`` decoder layers run first, frozen and also borrowed

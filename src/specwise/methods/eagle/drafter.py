@@ -1,4 +1,4 @@
-"""``eagle``: an EAGLE-3 head drafts an EAGLE-2 dynamic tree (Li et al. 2024, 2025; ALGORITHMS.md §4).
+"""``eagle``: an EAGLE-3 head drafts an EAGLE-2 dynamic tree (Li et al. 2024, 2025; docs/algorithms.md §4).
 
 Per step:
 
@@ -25,7 +25,7 @@ alone (plain decoding).
 
 The tree is a deterministic function of the context, so each node's proposal distribution is a
 point mass: greedy verification follows the target's argmax, and sampling uses recursive rejection
-with delta proposals (ALGORITHMS.md §2.4), which is exact. The draft vocabulary only limits which
+with delta proposals (docs/algorithms.md §2.4), which is exact. The draft vocabulary only limits which
 tokens can be proposed.
 
 Long contexts: the head attends to at most ``window`` committed entries (rotary positions are

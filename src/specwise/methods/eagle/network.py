@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft head (Li et al. 2025, arXiv 2503.01840; ALGORITHMS.md §4.3).
+"""The EAGLE-3 draft head (Li et al. 2025, arXiv 2503.01840; docs/algorithms.md §4.3).
 
 One small decoder layer that drafts from the target's own features:
 
@@ -11,7 +11,7 @@ One small decoder layer that drafts from the target's own features:
 * **recurrence**: at draft step 0 the feature is ``fc(fused target features)``; at later draft
   steps it is the head's own pre-norm output of the previous step (no feature regression);
 * **output**: ``final_norm`` then the target's LM-head rows of a reduced **draft vocabulary**
-  (FR-Spec, ALGORITHMS.md §9).
+  (FR-Spec, docs/algorithms.md §9).
 
 Borrowed from the target at load time and never stored: the input embedding module and the LM-head
 rows. The head's own weights: ``fc``, the norms, the attention and MLP projections (~7 M parameters

@@ -3,7 +3,7 @@
 Data: a self-distillation corpus whose features hold the target's top-k log-probabilities over the
 draft vocabulary and the hidden states of the head's feature layers
 (:mod:`specwise.training.features`). Loss: the EAGLE-3 training-time test (Li et al. 2025,
-ALGORITHMS.md §4.3): the head is unrolled ``ttt_steps`` draft steps over every window, step j
+docs/algorithms.md §4.3): the head is unrolled ``ttt_steps`` draft steps over every window, step j
 reading its own step-(j-1) outputs, and step j's soft cross-entropy against the target's
 renormalized top-k distribution is weighted ``step_decay ** j``. With ``loss_on="generated"`` the
 loss covers only positions whose predicted token the target wrote (the continuations, not the human

@@ -1,5 +1,5 @@
 """``medusa``: Medusa heads on the target's final hidden state, verified as a static sparse tree
-(Cai et al. 2024; ALGORITHMS.md §3).
+(Cai et al. 2024; docs/algorithms.md §3).
 
 Per step the heads read the target's final hidden state at the last kept position (the one whose
 logits chose the root) — the loop returns it from the verification forward, so drafting costs no

@@ -1,4 +1,4 @@
-"""Medusa heads on the frozen target (Cai et al. 2024; ALGORITHMS.md §3).
+"""Medusa heads on the frozen target (Cai et al. 2024; docs/algorithms.md §3).
 
 Head ``k`` (1-based) reads the target's final hidden state ``h_t`` (post final norm, the vector the
 target's LM head reads; HF ``hidden_states[L]``) and predicts the token ``k + 1`` positions ahead,
@@ -13,11 +13,11 @@ Each head is its own stack of ``num_layers`` residual blocks followed by an outp
   Gemma-3's final norm leaves a few dimensions hundreds of times larger than the rest; without the
   scale they would dominate ``W u``.
 * **Output layer**: the target's LM-head rows of a reduced **draft vocabulary** (frequency-ranked
-  from the corpus, FR-Spec, ALGORITHMS.md §9), borrowed at load time and kept frozen. Medusa
+  from the corpus, FR-Spec, docs/algorithms.md §9), borrowed at load time and kept frozen. Medusa
   initialises each head's output layer as a copy of the LM head; sharing the frozen rows instead
   keeps a head at ``H*H + H`` parameters per block, so a set of heads ships in a few MB.
 
-Heads are distinct modules (``ALGORITHMS.md`` §3.1 lists the reference code's shared-``ResBlock``
+Heads are distinct modules (docs/algorithms.md §3.1 lists the reference code's shared-``ResBlock``
 bug); the tests check it.
 """
 

@@ -1,4 +1,4 @@
-"""Recipe: train Medusa heads on the frozen target (Medusa-1; Cai et al. 2024, ALGORITHMS.md §3.2).
+"""Recipe: train Medusa heads on the frozen target (Medusa-1; Cai et al. 2024, docs/algorithms.md §3.2).
 
 Data: a self-distillation corpus whose features hold the target's top-k log-probabilities over the
 draft vocabulary and its final hidden state at every position (:mod:`specwise.training.features`).

@@ -1,4 +1,4 @@
-"""Medusa's static sparse draft tree, calibrated on held-in data (ALGORITHMS.md §3.3).
+"""Medusa's static sparse draft tree, calibrated on held-in data (docs/algorithms.md §3.3).
 
 Medusa heads are not conditioned on earlier draft tokens, so every node at depth d takes its token
 from head d's ranking: a node is a *path* ``(r_1, ..., r_d)`` of ranks, meaning the tokens
