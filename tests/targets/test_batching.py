@@ -18,6 +18,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import specwise
 from conftest import make_tokenizer
@@ -55,10 +57,32 @@ def test_a_compute_bound_batch_gets_no_drafts_and_a_memory_bound_one_drafts():
 
 
 def test_drafts_go_where_they_are_accepted():
-    cost = cost_table(VerifyCostTable((1, 8, 16, 32), (1.0, 1.3, 2.0, 4.0)), 64)
+    cost = cost_table(VerifyCostTable((1, 8, 16, 32), (1.0, 1.02, 1.1, 1.6)), 64)
     budgets = draft_budgets([0.9, 0.2, 0.6], cost, [16, 16, 16])
     assert budgets[0] > budgets[2] > budgets[1] >= 0
     assert draft_budgets([0.9, 0.9], cost, [3, 0]) [1] == 0  # never past a generation's own room
+
+
+def test_no_generation_pays_for_another_ones_drafts():
+    """Where verified rows cost time, one generation's drafts slow every other one: they are made
+    only while each generation's expected rate stays at least plain batched decoding's."""
+    cost = cost_table(VerifyCostTable((1, 8, 16, 32), (1.0, 1.3, 2.0, 4.0)), 64)
+    assert draft_budgets([0.95, 0.0], cost, [16, 16]) == [0, 0]  # nothing predictable in the second text
+    assert draft_budgets([0.95, 0.9], cost, [16, 0]) == [0, 0]  # the second runs ar: it gains nothing
+    flat = cost_table(VerifyCostTable((1, 64), (1.0, 1.0)), 64)
+    assert draft_budgets([0.95, 0.9], flat, [16, 0])[0] > 0  # unless the rows are free
+    both = draft_budgets([0.95, 0.9], cost, [16, 16])
+    assert min(both) > 0  # every generation gains: both draft
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.0, 1.0), min_size=2, max_size=8), st.sampled_from([(1.1, 1.4, 2.1), (1.3, 2.0, 4.0), (1.0, 1.05, 1.2)]))
+def test_every_generation_gains_at_least_plain_batched_decodings_rate(alphas, table):
+    cost = cost_table(VerifyCostTable((1, 8, 16, 32), (1.0, *table)), 64)
+    budgets = draft_budgets(alphas, cost, [12] * len(alphas))
+    m, step = len(alphas), cost[len(alphas) + sum(budgets)]
+    for a, k in zip(alphas, budgets):
+        assert sum(a ** j for j in range(k + 1)) / step >= 1 / cost[m] - 1e-9
 
 
 def test_the_chosen_budgets_beat_plain_batched_decoding_in_the_model():
@@ -69,13 +93,14 @@ def test_the_chosen_budgets_beat_plain_batched_decoding_in_the_model():
         budgets = draft_budgets(alphas, cost, [12] * len(alphas))
         expected = sum((1 - a ** (k + 1)) / (1 - a) for a, k in zip(alphas, budgets))
         assert expected / cost[len(alphas) + sum(budgets)] >= len(alphas) / cost[len(alphas)] - 1e-12
-        # no split of the same total does better (the greedy split is optimal for a total)
+        # no split of the same total that slows no generation does better
         if len(alphas) == 2 and sum(budgets):
+            slowdown = cost[2 + sum(budgets)] / cost[2]
             for k0 in range(0, min(12, sum(budgets)) + 1):
                 k1 = sum(budgets) - k0
-                if k1 <= 12:
-                    other = sum((1 - a ** (k + 1)) / (1 - a) for a, k in zip(alphas, (k0, k1)))
-                    assert other <= expected + 1e-9
+                each = [sum(a ** j for j in range(k + 1)) for a, k in zip(alphas, (k0, k1))]
+                if k1 <= 12 and min(each) >= slowdown:
+                    assert sum(each) <= expected + 1e-9
 
 
 def test_acceptance_follows_recent_steps():

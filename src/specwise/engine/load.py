@@ -8,9 +8,15 @@ probability ``alpha_i``, independently), the step emits ``sum_i E(alpha_i, k_i)`
 expectation. :func:`draft_budgets` chooses the ``k_i`` that maximize expected tokens per unit of
 time: for a total of ``D`` drafts the best split gives each next draft to the generation whose next
 draft is the most likely accepted (``alpha_i ** (k_i + 1)``, decreasing in ``k_i``), and ``D``
-itself is searched from 0 (plain batched decoding) up. The aggregate throughput it predicts is
-never below plain batched decoding's (``D = 0`` is a candidate), and a full batch on a
-compute-bound machine gets ``D = 0``.
+itself is searched from 0 (plain batched decoding) up, among the ``D`` that slow no generation:
+each generation's expected tokens per unit of time, ``E(alpha_i, k_i) / v(N)``, must be at least
+plain batched decoding's ``1 / v(m)``. Without that, the drafts of a generation whose text is
+predictable would make one whose text is not (or one on ``ar``) pay for rows it gains nothing from,
+and the batch's slowest request, which sets its client's wait, would finish later than with no
+drafting at all. So drafts go to a batch where verifying them is nearly free (a memory-bound
+forward) or where every generation's drafts pay; the aggregate throughput it predicts is never
+below plain batched decoding's (``D = 0`` is a candidate), and a full batch on a compute-bound
+machine gets ``D = 0``.
 
 ``alpha_i`` is each generation's measured acceptance (:class:`Acceptance`): drafts accepted against
 drafts rejected along the verified depth, with older steps decayed, so a generation whose text
@@ -116,8 +122,11 @@ def _chain(alpha: float, room: int, costs: np.ndarray, fixed: float) -> int:
 
 
 def _split(alpha: np.ndarray, room: np.ndarray, costs: np.ndarray, fixed: np.ndarray) -> tuple[list[int], float]:
-    """The best budgets and their rate (expected tokens per one-token step) for these rooms: the D
-    most likely drafts for the best total D, each generation's fixed cost paid with its first draft."""
+    """The best budgets and their rate (expected tokens per one-token step) for these rooms, among
+    the splits that slow no generation (module docstring): the D most likely drafts for the best
+    total D, or one draft for each generation that may draft and then the most likely rest (where
+    every generation must gain for any to draft, the most likely drafts alone would leave one at
+    none); each generation's fixed cost paid with its first draft."""
     m = len(alpha)
     depth = int(room.max())
     if depth == 0:
@@ -128,7 +137,20 @@ def _split(alpha: np.ndarray, room: np.ndarray, costs: np.ndarray, fixed: np.nda
     gains[np.arange(depth)[None, :] >= room[:, None]] = -1.0
     flat = gains.ravel()
     order = np.argsort(-flat, kind="stable")
-    order = order[flat[order] > 0][: len(costs) - 1 - m]
+    order = order[flat[order] > 0]
+    first = order % depth == 0
+    best = _best_prefix(order, flat, depth, m, costs, fixed)
+    if 0 < first.sum() < len(order):
+        spread = _best_prefix(np.concatenate([order[first], order[~first]]), flat, depth, m, costs, fixed)
+        best = spread if spread[1] > best[1] * (1 + 1e-12) else best
+    return best
+
+
+def _best_prefix(order: np.ndarray, flat: np.ndarray, depth: int, m: int, costs: np.ndarray,
+                 fixed: np.ndarray) -> tuple[list[int], float]:
+    """The budgets of the best prefix of ``order`` (flat draft indices, ``[m, depth]`` row-major),
+    and its rate, among the prefixes that slow no generation; the empty prefix is always one."""
+    order = order[: len(costs) - 1 - m]
     expected = np.concatenate([[float(m)], m + np.cumsum(flat[order])])  # shape: [D + 1], D = 0 first
     spent = costs[m: m + len(order) + 1].copy()
     owner = order // depth
@@ -137,6 +159,11 @@ def _split(alpha: np.ndarray, room: np.ndarray, costs: np.ndarray, fixed: np.nda
     paid[firsts] = fixed[owner[firsts]]
     spent[1:] += np.cumsum(paid)
     rates = expected / spent
+    # each generation's expected tokens per step over the step's time at least plain batched
+    # decoding's 1 / v(m): one generation's drafts never make another, drafting less or nothing, pay
+    each = np.ones((len(order) + 1, m))  # shape: [D + 1, m], each generation's E after the first D drafts
+    each[1:] += np.cumsum(np.eye(m)[owner] * flat[order][:, None], axis=0)
+    rates[1:][each[1:].min(axis=1) * costs[m] < spent[1:] * (1 - 1e-12)] = -np.inf
     best = int(np.argmax(rates))  # the first maximum: fewer drafts on a tie
     return np.bincount(owner[:best], minlength=m).tolist(), float(rates[best])
 
