@@ -93,7 +93,13 @@ def draft_budgets(acceptance: Sequence[float], costs: np.ndarray, max_drafts: Se
     fixed = np.zeros(m) if draft_costs is None else np.asarray(draft_costs, dtype=np.float64)
     if m == 1:  # a lone generation (every step of one): its chain length directly, no search
         return [_chain(float(alpha[0]), int(room[0]), costs, float(fixed[0]))]
+    if costs[m + 1] > costs[m] and not _every_one_may_gain(alpha, room, costs):
+        return [0] * m
     budgets, rate = _split(alpha, room, costs, fixed)
+    if costs[m + 1] > costs[m]:
+        # a generation left out drafts nothing, so where a verified row costs time no split that
+        # slows no generation remains but plain decoding's, which the split above already weighed
+        return budgets
     # a generation whose drafting costs more than its drafts return is left out, one at a time while
     # leaving one out raises the rate (the split above takes drafts most likely first, whatever they cost)
     while True:
@@ -107,6 +113,18 @@ def draft_budgets(acceptance: Sequence[float], costs: np.ndarray, max_drafts: Se
         if best is None:
             return budgets
         room, (budgets, rate) = best
+
+
+def _every_one_may_gain(alpha: np.ndarray, room: np.ndarray, costs: np.ndarray) -> bool:
+    """Whether a split that slows no generation could draft at all where a verified row costs time:
+    then every generation drafts at least once (``D >= m``), and even its whole room accepted must
+    repay ``v(m + D) / v(m)`` (a bound; the batch's common case, one text with nothing to copy,
+    ends the search here)."""
+    m = len(alpha)
+    if int(room.min()) == 0:
+        return False
+    reach = np.where(alpha >= 1.0, room + 1.0, (1.0 - alpha ** (room + 1)) / np.maximum(1.0 - alpha, 1e-12))
+    return float(reach.min()) * costs[m] >= costs[min(2 * m, len(costs) - 1)]
 
 
 def _chain(alpha: float, room: int, costs: np.ndarray, fixed: float) -> int:
@@ -222,12 +240,17 @@ class DraftCost:
         else:
             self.idle = DECAY * self.idle + (1 - DECAY) * draft_s
 
-    @property
-    def cheap(self) -> bool:
-        """Whether a drafting step costs under :data:`SHADOW_COST` of a target step (yes until measured)."""
+    def cheap(self, members: int = 1, round_cost: float = 1.0) -> bool:
+        """Whether drafting costs under :data:`SHADOW_COST` of the step it delays (yes until measured).
+
+        Args:
+            members: generations in the batch; their drafting runs one after another (the
+                interpreter's lock) while the batch's forward waits for the last of them.
+            round_cost: ``v(members)``, the batch's forward in one-token steps.
+        """
         if self.drafting is None or not self.step:
             return True
-        return self.drafting / self.step < SHADOW_COST
+        return self.drafting * members / (self.step * round_cost) < SHADOW_COST
 
     @property
     def steps(self) -> float:
@@ -259,6 +282,7 @@ class LoadShare:
     _methods: dict = field(default_factory=dict, repr=False)  # method -> (Acceptance, DraftCost)
     wanted: int | None = None  # the most drafts its next step may verify (its drafter's room); None: not asked yet
     idle: int = 0  # capped steps in a row at 0 drafts
+    members: int = 1  # generations in the batch at its last capped step
     shadowing: bool = False  # the next step's drafts are proposed but not verified (:data:`SHADOW_COST`)
     # the drafts of a chain cut by the budget after its verified ones were all accepted, matched
     # against the tokens the target goes on to emit: (drafts verified, accepted, drafts not verified)
@@ -278,9 +302,11 @@ class LoadShare:
         ``method`` (the one drafting now, :meth:`use`)."""
         self.use(method)
         cap = self.load.cap(self, room)
-        self.shadowing = cap == 0 and room > 0 and self.cost.cheap
+        self.shadowing = cap == 0 and room > 0 and self.cost.cheap(self.members, self.load.relative_cost(self.members))
         self.idle = self.idle + 1 if cap == 0 and not self.shadowing else 0
-        if self.idle >= EXPLORE[0]:  # a drafter drafts at most its budget: without this, no evidence
+        # a drafter drafts at most its budget: without a probe, no evidence; a probe's rows slow
+        # the whole batch, so each generation of m probes 1/m as often
+        if self.idle >= EXPLORE[0] * self.members:
             self.idle, cap = 0, min(room, EXPLORE[1])
         self.budgets.append(cap)
         return cap
@@ -395,6 +421,7 @@ class BatchLoad:
             size = len(shares) if self._batch_size is None else max(1, min(len(shares), self._batch_size()))
         if size <= 1:
             shares = [share]
+        share.members = len(shares)
         cap = min(room, self._found_budget(share, shares))
         if self._on_decision is not None:
             self._on_decision(len(shares), cap)

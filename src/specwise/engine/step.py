@@ -216,6 +216,10 @@ def verify_proposal(target, cache: TargetCache, context: torch.Tensor, proposal:
     """
     if room is not None:
         budget = max(0, min(budget, room - 1))
+    if budget == 0 and proposal.parents is not None and proposal.auxiliary is None:
+        # a tree cut to no node verifies the root alone: on the chain path, which a batched engine
+        # runs as one row of the generation's own sequence rather than a tree's branches
+        proposal = Proposal(proposal.tokens[:0], acceptance=proposal.acceptance)
     verify = _verify_plain_chain if _is_plain_chain(proposal) else _verify_as_tree
     return verify(target, cache, context, proposal, budget, sampling, generator, hidden_layers, grammar,
                   emitted_logits, room)
