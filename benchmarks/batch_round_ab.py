@@ -100,8 +100,12 @@ def main() -> None:
             wall = time.perf_counter() - start
             full = [seconds for tokens, seconds in decodes if tokens == len(prompts)]
             speeds[name].append(sum(len(r.token_ids) for r in out) / wall)
+            rows = sum(tokens for tokens, _ in decodes if tokens > 0)
+            decoding = sum(seconds for _, seconds in decodes)
             print(f"rep {rep} {name}: {speeds[name][-1]:.1f} tok/s, one-token round "
-                  f"{statistics.median(full) * 1000 if full else float('nan'):.1f} ms", flush=True)
+                  f"{statistics.median(full) * 1000 if full else float('nan'):.1f} ms; {len(decodes)} decodes, "
+                  f"{rows / max(1, len(decodes)):.1f} rows each, {decoding:.2f} s of {wall:.2f} s in llama_decode",
+                  flush=True)
     print(f"{args.target}, {len(prompts)} prompts batched, {args.max_new_tokens} tokens, T = {args.temperature}, "
           f"{'fresh prompts each repetition, ' if args.fresh else ''}"
           f"{threading.active_count()} threads at the end")
