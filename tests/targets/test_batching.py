@@ -71,6 +71,7 @@ def test_no_generation_pays_for_another_ones_drafts():
     assert draft_budgets([0.95, 0.9], cost, [16, 0]) == [0, 0]  # the second runs ar: it gains nothing
     flat = cost_table(VerifyCostTable((1, 64), (1.0, 1.0)), 64)
     assert draft_budgets([0.95, 0.9], flat, [16, 0])[0] > 0  # unless the rows are free
+    assert draft_budgets([0.9] * 4, cost_table(VerifyCostTable((1, 64), (1.0, 1.0)), 4), [8] * 4) == [0] * 4  # v(n) known up to the batch: no row to spare
     both = draft_budgets([0.95, 0.9], cost, [16, 16])
     assert min(both) > 0  # every generation gains: both draft
 

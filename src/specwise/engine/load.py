@@ -93,10 +93,11 @@ def draft_budgets(acceptance: Sequence[float], costs: np.ndarray, max_drafts: Se
     fixed = np.zeros(m) if draft_costs is None else np.asarray(draft_costs, dtype=np.float64)
     if m == 1:  # a lone generation (every step of one): its chain length directly, no search
         return [_chain(float(alpha[0]), int(room[0]), costs, float(fixed[0]))]
-    if costs[m + 1] > costs[m] and not _every_one_may_gain(alpha, room, costs):
+    rows_cost = m + 1 == len(costs) or costs[m + 1] > costs[m]  # a verified row slows the step
+    if rows_cost and not _every_one_may_gain(alpha, room, costs):
         return [0] * m
     budgets, rate = _split(alpha, room, costs, fixed)
-    if costs[m + 1] > costs[m]:
+    if rows_cost:
         # a generation left out drafts nothing, so where a verified row costs time no split that
         # slows no generation remains but plain decoding's, which the split above already weighed
         return budgets
