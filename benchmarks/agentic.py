@@ -48,7 +48,7 @@ from concurrency import Contender, free_port  # noqa: E402
 
 from specwise.drafters.spec import split_spec, split_specs  # noqa: E402
 from specwise.prompts import PromptRecord, is_held_out, load_prompts  # noqa: E402
-from specwise.targets.loading import gguf_file  # noqa: E402
+from specwise.targets.files import gguf_file  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

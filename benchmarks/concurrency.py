@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from specwise.prompts import is_held_out, load_prompts, take_per_category
-from specwise.targets.loading import gguf_file
+from specwise.targets.files import gguf_file
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

@@ -21,14 +21,15 @@ from pathlib import Path
 
 import torch
 
-from specwise.api import encode_prompt, generate
+from specwise.api import generate
 from specwise.drafters.checkpoint import shipped_drafter
 from specwise.drafters.export import export_drafter
 from specwise.lab.bench.llamacpp import LlamaServer
 from specwise.prompts import default_prompt_records, is_held_out, load_prompts, take_per_category
+from specwise.request import encode_prompt
 from specwise.targets.chat import chat_prompt_ids, has_chat_template
-from specwise.targets.hf import load_target
-from specwise.targets.loading import gguf_file
+from specwise.targets.files import gguf_file
+from specwise.targets.loading import load_target
 
 
 def _say(message: str) -> None:

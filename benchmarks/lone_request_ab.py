@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from concurrency import DATA, Contender, free_port  # noqa: E402
 
 import specwise  # noqa: E402
-from specwise.targets.loading import gguf_file  # noqa: E402
+from specwise.targets.files import gguf_file  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome, "
                                         "ignoring case and punctuation, with a docstring and three examples."}]

@@ -31,7 +31,7 @@ from pathlib import Path
 from specwise.api import build_drafter, generate
 from specwise.prompts import default_prompt_records, is_held_out, load_prompts, take_per_category
 from specwise.targets.aliases import KNOWN_TARGETS
-from specwise.targets.hf import load_target
+from specwise.targets.loading import load_target
 
 EDITS = {
     "rename": "Rename the parameter `{param}` to `{param}_value` everywhere in this function. "

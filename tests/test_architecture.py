@@ -2,7 +2,8 @@
 
 Layers, lowest first (a module may import its own layer and the ones below it):
 
-- ``errors``, ``checks`` (the option checks every layer shares), ``prompts``: leaves;
+- ``errors``, ``checks`` (the option checks every layer shares), ``prompts``, ``discovery`` (finding the
+  methods' modules by name): leaves;
 - ``engine``: the decoding core: the loop, the one-forward verification step, the pure
   verification maths, the tree, sampling, stopping, types, the target and drafter interfaces, the
   cost model and the forward timing (calibration);
@@ -10,13 +11,15 @@ Layers, lowest first (a module may import its own layer and the ones below it):
   KV cache, loading, the aliases, chat templates, the GGUF's native packing;
 - ``models``: what the drafters' torch modules share;
 - ``interop``: drafters in other projects' formats (detection, what the formats share);
-- ``drafters``: the registry, the drafter base, checkpoints, drafter timing, ``export``;
-- ``methods``: one module per training-free method, one folder per trained one. The package
-  itself (its discovery) and each folder's ``__init__`` (a docstring) are leaves; a method's single
+- ``drafters``: the registry, the drafter base, building and keeping drafters, checkpoints, drafter timing,
+  ``export``;
+- ``methods``: one module per training-free method, one folder per trained one. The package's
+  ``__init__`` and each folder's (a docstring) are leaves; a method's single
   module sits with ``drafters``; in a folder each module sits with the layer of its role:
   ``drafter`` with ``drafters``, ``network`` with ``models``, ``interop`` with ``interop``,
   ``recipe`` with ``training``, and any other module (a method's own helpers) with ``drafters``;
-- ``api``: ``generate``, ``build_drafter``, ``load_drafter``; ``many``: ``generate_many`` and the batches' load rule;
+- ``api``: ``generate``, the keyword front door; ``request``: the checked request it builds and runs;
+  ``output``: tools and response formats; ``many``: ``generate_many`` and the batches' load rule;
 - ``serve``: the OpenAI-compatible server over ``api``;
 - ``training``: corpus, features, trainer, recipes;
 - ``lab``: benchmark, analysis, demo, reports;
@@ -38,7 +41,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 #: each layer's top-level names under ``specwise``; "" is the package root
-LAYERS = (("errors", "checks", "prompts"), ("engine",), ("targets",), ("models",), ("interop",), ("drafters",), ("api", "many"), ("serve",), ("training",), ("lab",),
+LAYERS = (("errors", "checks", "prompts", "discovery"), ("engine",), ("targets",), ("models",), ("interop",), ("drafters",), ("api", "many", "request", "output"), ("serve",), ("training",), ("lab",),
           ("cli", "commands", ""))
 
 
@@ -106,9 +109,29 @@ def test_a_method_folder_is_found_by_its_modules_names_alone():
                and path.name == "__init__.py"]
     assert {"specwise.methods.draft", "specwise.methods.eagle", "specwise.methods.medusa",
             "specwise.methods.dflash"} <= set(folders)
-    for name in folders:
+    for name in folders + ["specwise.methods"]:
         body = ast.parse(MODULES[name].read_text()).body
         assert len(body) == 1 and isinstance(body[0], ast.Expr), f"{name}'s __init__ holds more than a docstring"
+
+
+def _method_of(name: str) -> str | None:
+    """The method a module belongs to (``specwise.methods.eagle.network`` -> ``eagle``), or ``None``."""
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["specwise", "methods"] else None
+
+
+def test_a_method_leans_on_no_other_method():
+    """What several methods share lives in a layer below them (``drafters``, ``models``,
+    ``training``), so a method's module or folder imports no other method's modules, and below the
+    training tools nothing imports a method's drafter, recipe or own helpers (their ``network`` and
+    ``interop`` sit with lower layers and may be read; the registry finds the rest)."""
+    crossing = [f"{name} -> {target}" for name, deps in GRAPH.items() for target, _ in deps
+                if _method_of(name) and _method_of(target) and _method_of(name) != _method_of(target)]
+    assert not crossing, "methods importing each other:\n" + "\n".join(crossing)
+    reached = [f"{name} -> {target}" for name, deps in GRAPH.items() for target, _ in deps
+               if not _method_of(name) and _method_of(target) and target.rsplit(".", 1)[-1] not in ("network", "interop")
+               and not name.startswith(("specwise.training", "specwise.lab", "specwise.cli", "specwise.commands"))]
+    assert not reached, "method internals imported from outside the methods:\n" + "\n".join(reached)
 
 
 def test_no_import_runs_up_the_layers():
@@ -166,11 +189,12 @@ def _code_lines(node: ast.AST, source_lines: list[str]) -> int:
 
 
 #: the areas whose functions must stay short enough to read top to bottom
-SHORT_FUNCTION_AREAS = ("specwise.engine", "specwise.training", "specwise.serve")
+SHORT_FUNCTION_AREAS = ("specwise.engine", "specwise.training", "specwise.serve", "specwise.targets", "specwise.api",
+                        "specwise.request", "specwise.output", "specwise.many")
 MAX_FUNCTION_LINES = 60
 
 
-def test_engine_training_and_server_functions_are_at_most_60_code_lines():
+def test_engine_targets_request_training_and_server_functions_are_at_most_60_code_lines():
     long = []
     for name, path in MODULES.items():
         if not name.startswith(SHORT_FUNCTION_AREAS):

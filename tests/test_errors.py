@@ -13,10 +13,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import specwise
 from conftest import make_model, make_target, random_prompt
 from specwise.checks import check_flag, check_int, check_probability
+from specwise.discovery import method_modules
 from specwise.drafters import base
 from specwise.engine.drafter import Drafter
 from specwise.errors import ConfigError, DrafterError, PromptError, SpecwiseError, TargetLoadError
-from specwise.methods import method_modules
 from specwise.methods.draft.drafter import DraftModelConfig, DraftModelDrafter
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from specwise.drafters import METHODS
-from specwise.methods.prompt_lookup import GREEDY_NGRAMS
+from specwise.drafters.ngram_lookup import GREEDY_NGRAMS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

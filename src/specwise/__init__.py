@@ -22,7 +22,7 @@ _EXPORTS = {
     "SamplingConfig": "specwise.engine.sampling",
     "SpecwiseError": "specwise.errors",
     "Target": "specwise.targets.hf",
-    "load_target": "specwise.targets.hf",
+    "load_target": "specwise.targets.loading",
     "build_drafter": "specwise.api",
     "generate": "specwise.api",
     "generate_many": "specwise.many",

@@ -1,137 +1,26 @@
-"""The public entry point: :func:`generate`."""
+"""The public entry point: :func:`generate`, the friendly front door with keywords.
+
+It builds one checked :class:`~specwise.request.GenerationRequest` (:func:`specwise.request.build_request`)
+and runs it (:func:`specwise.request.run_request`); drafters are built by
+:mod:`specwise.drafters.building` and output rules by :mod:`specwise.output`, whose public names
+are re-exported here.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import threading
-from collections import OrderedDict
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from specwise.checks import check_int
-from specwise.drafters import METHODS, Drafter
-from specwise.drafters.base import check_engine, warn_renamed
-from specwise.drafters.checkpoint import is_checkpoint, read_config, shipped_drafter
-from specwise.engine.grammar import Grammar, GrammarCompiler, grammar_source
-from specwise.engine.load import BatchLoad, LoadShare
-from specwise.engine.logprobs import MAX_TOP_LOGPROBS
-from specwise.engine.loop import speculative_generate
-from specwise.engine.sampling import SamplingConfig
-from specwise.engine.token_ids import check_token_ids
+from specwise.drafters import Drafter
+from specwise.drafters.building import build_drafter, engine_for, load_drafter, shared_drafter, spec_and_config
+from specwise.engine.load import LoadShare
 from specwise.engine.types import GenerationResult
-from specwise.errors import ConfigError, DrafterError, PromptError
-from specwise.methods.prediction import PredictionDrafter, prediction_ids
-from specwise.targets.engine_choice import check_engine_name
-from specwise.targets.measured import verify_costs
-from specwise.targets.tool_calls import (
-    ToolError,
-    call_grammar,
-    call_markers,
-    check_tools,
-    chosen_tool,
-    parse_tool_calls,
-)
+from specwise.output import compile_response_format, grammar_compiler
+from specwise.request import build_request, run_request
 
-#: drafters :func:`generate` keeps per target for the option sets it was called with (least
-#: recently used dropped): a drafter is shared, so repeated calls reuse one
-KEPT_DRAFTERS = 8
-#: compiled grammars :func:`compile_response_format` keeps per target (least recently used dropped)
-KEPT_GRAMMARS = 32
-#: how :func:`generate` sizes each step's drafts (``draft_budget``)
-DRAFT_BUDGETS = ("measured", "fixed")
-
-
-def build_drafter(target, method: str, **options: Any) -> Drafter:
-    """Instantiate the drafter registered as ``method`` with its typed options.
-
-    The drafter holds no per-generation state: any number of :func:`generate` calls, threads
-    included, may use it at once. Trained weights are read once per target and shared by every
-    drafter built for it. :func:`generate` refuses the drafter with another target.
-
-    Raises:
-        DrafterError: unknown method (the message lists the available ones) or a bad drafter.
-        ConfigError: an option the method does not take, or out of range (a drafter path with a
-            method that uses none included).
-    """
-    spec, config = spec_and_config(method, **options)
-    check_engine(target, spec.factory)  # before any weights are read
-    drafter = spec.factory(target, config)
-    check_engine(target, drafter)
-    return drafter
-
-
-def shared_drafter(target, method: str, **options: Any) -> Drafter:
-    """The drafter for ``method`` with ``options`` kept on ``target`` (built on first use; the
-    :data:`KEPT_DRAFTERS` most recently used option sets are kept), so repeated calls cost no rebuild.
-
-    Raises:
-        as :func:`build_drafter`.
-    """
-    spec, config = spec_and_config(method, **options)
-    kept = target.__dict__.setdefault("_kept_drafters", OrderedDict())
-    lock = target.__dict__.setdefault("_kept_drafters_lock", threading.Lock())
-    key = (method, config)
-    with lock:
-        drafter = kept.pop(key, None)
-        if drafter is None:
-            check_engine(target, spec.factory)
-            drafter = spec.factory(target, config)
-            check_engine(target, drafter)
-        kept[key] = drafter
-        while len(kept) > KEPT_DRAFTERS:
-            kept.popitem(last=False)
-    return drafter
-
-
-def engine_for(engine: str, method: str, config, target: str) -> str:
-    """The engine to load ``target`` on for ``method``: the one asked for, but ``auto`` never picks
-    llama.cpp for a method that cannot run there (``draft`` with a trained draft-LM checkpoint, which
-    shares the torch target's decoder layers)."""
-    if check_engine_name(engine) is not None or method != "draft":
-        return engine
-    drafter = config.drafter_path or shipped_drafter(target, "draft")
-    return "torch" if drafter is not None and is_checkpoint(drafter) else engine
-
-
-def spec_and_config(method: str, **options: Any):
-    """The registered method ``method`` and its typed config built from ``options``.
-
-    Returns:
-        ``(MethodSpec, MethodConfig)``.
-
-    Raises:
-        DrafterError: unknown method. ConfigError: an option the method does not take, or out of range.
-    """
-    spec = METHODS.get(method)
-    if "drafter_path" in options and "drafter_path" not in spec.option_names:
-        takers = ", ".join(s.name for s in METHODS.listed() if "drafter_path" in s.option_names)
-        raise ConfigError(f"method {method!r} uses no trained drafter or draft model, but one was given "
-                          f"({options['drafter_path']}); choose a method that does ({takers}).")
-    return spec, spec.make_config(**options)
-
-
-def load_drafter(path: str | Path, target, **options):
-    """Build the drafter stored in ``path`` for ``target``.
-
-    Args:
-        path: a drafter directory (``config.json`` + ``model.safetensors``).
-        target: the :class:`specwise.targets.hf.Target`.
-        **options: the method's options (e.g. ``num_draft_tokens``; not ``drafter_path``, which is ``path``).
-
-    Returns:
-        a :class:`specwise.drafters.base.Drafter`.
-
-    Raises:
-        DrafterError: not a drafter, missing weights, or trained for another target.
-        ConfigError: an option the method does not take.
-    """
-    config = read_config(path)
-    spec = METHODS.get(config["method"])
-    return spec.factory(target, spec.make_config(drafter_path=str(path), **options))
+__all__ = ["build_drafter", "compile_response_format", "engine_for", "generate", "grammar_compiler",
+           "load_drafter", "shared_drafter", "spec_and_config"]
 
 
 def generate(
@@ -209,7 +98,7 @@ def generate(
             benchmarks do to time a fixed number of tokens (llama.cpp's and vLLM's ``ignore_eos``).
         prediction: Predicted Outputs: text (or token ids) the output is expected to largely repeat,
             e.g. the code being edited. It becomes a second drafting source next to ``method``
-            (:class:`specwise.methods.prediction.PredictionDrafter`); the output stays exactly the
+            (:class:`specwise.drafters.prediction.PredictionDrafter`); the output stays exactly the
             target's. ``stats.prediction_accepted_tokens`` / ``prediction_rejected_tokens`` count it.
         response_format: constrain the output (OpenAI's shapes): ``{"type": "json_object"}``,
             ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``, or
@@ -249,247 +138,10 @@ def generate(
             (:class:`~specwise.targets.tool_calls.ToolError`).
         DrafterError: unknown method, a bad drafter, or a drafter built for another target.
     """
-    sampling = SamplingConfig(temperature, top_k, top_p, repetition_penalty)
-    check_int("logprobs", logprobs, 0, optional=True)
-    if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
-        raise ConfigError(f"logprobs takes at most {MAX_TOP_LOGPROBS} alternatives per token, got {logprobs}.")
-    render_tools, schemas, response_format = tool_setup(tools, tool_choice, parallel_tool_calls, response_format,
-                                                        messages is not None, target)
-    grammar = compile_response_format(target, response_format)
-    check_seed(seed)
-    stop = check_stop_strings(stop)
-    if not isinstance(include_stop, bool):
-        raise ConfigError(f"include_stop must be True or False, got {include_stop!r}.")
-    if not isinstance(ignore_eos, bool):
-        raise ConfigError(f"ignore_eos must be True or False, got {ignore_eos!r}.")
-    if isinstance(drafter, (str, os.PathLike)):
-        warn_renamed("generate", "drafter=PATH", "drafter_path=PATH")
-        if "drafter_path" in method_options:
-            raise ConfigError("give drafter_path or a path as drafter, not both.")
-        method_options["drafter_path"] = os.fspath(drafter)
-        drafter = None
-    check_max_new_tokens(max_new_tokens)
-    if draft_budget not in DRAFT_BUDGETS:
-        raise ConfigError(f"draft_budget is one of {', '.join(map(repr, DRAFT_BUDGETS))}, got {draft_budget!r}.")
-    if (prompt is None) == (messages is None):
-        raise PromptError("give either a prompt or chat messages, not both." if prompt is not None
-                          else "give a prompt (text or token ids) or chat messages.")
-    eos_token_ids = None
-    if messages is not None:
-        prompt_ids = target.encode_chat(messages, render_tools)
-        eos_token_ids = target.eos_token_ids | target.end_of_turn_ids
-    else:
-        prompt_ids = encode_prompt(target, prompt)
-    if ignore_eos:
-        eos_token_ids = frozenset()
-    check_context(target, prompt_ids.numel(), max_new_tokens)
-    if drafter is None:
-        drafter = shared_drafter(target, method, **method_options)
-    elif method_options:
-        raise ConfigError("method options cannot be combined with an already built drafter.")
-    elif getattr(drafter, "target", None) is not None and drafter.target is not target:
-        raise DrafterError(f"this drafter was built for another target ({drafter.target.name}), not "
-                           f"{target.name}; build one with specwise.build_drafter(target, ...).")
-    else:
-        check_engine(target, drafter)
-    generator = None
-    if not sampling.is_greedy or seed is not None:
-        generator = torch.Generator(device=target.device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
-    running = drafter
-    if prediction is not None:
-        running = PredictionDrafter(drafter, prediction_ids(target, prediction),
-                                    torch.tensor(sorted(target.eos_token_ids), dtype=torch.long))
-    own = load is None and draft_budget == "measured" and getattr(running, "method", None) != "ar"
-    if own:  # a batch of one: the same cost model sizes a lone generation's drafts
-        if hasattr(drafter, "calibrate"):  # auto measures its candidates once per regime, alone
-            drafter.calibrate(sampling)
-        load = BatchLoad(verify_costs(target)).join()
-    try:
-        result = speculative_generate(
-            target, running, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-            generator=generator, stop_strings=stop, streamer=streamer, text_streamer=text_streamer,
-            eos_token_ids=eos_token_ids, include_stop=include_stop, grammar=grammar, logprobs=logprobs, load=load,
-        )
-    finally:
-        if own:
-            load.leave()
-    if prediction is not None:
-        result.stats.prediction_accepted_tokens = running.accepted_tokens
-        result.stats.prediction_rejected_tokens = running.rejected_tokens
-    return with_tool_calls(target, result, schemas)
-
-
-def tool_setup(tools, tool_choice, parallel: bool, response_format, chat: bool, target):
-    """A generation's tools: ``(tools to render or None, parameters schemas or None, the
-    response_format to generate with)``; a required or named choice becomes the calls' grammar
-    (its markers as the target's tokenizer spells them).
-
-    Raises:
-        ToolError: bad tools or tool choice, tools without messages, tools with a response format.
-    """
-    if tools is None:
-        if tool_choice is not None:
-            raise ToolError("tool_choice needs tools.")
-        return None, None, response_format
-    if not chat:
-        raise ToolError("tools need chat messages (the chat template renders them), not a text prompt.")
-    if not isinstance(parallel, bool):
-        raise ToolError(f"parallel_tool_calls must be True or False, got {parallel!r}.")
-    schemas = check_tools(tools)
-    mode, name = chosen_tool(tool_choice, schemas)
-    if mode == "none":
-        return None, None, response_format
-    if response_format is not None and grammar_source(response_format) is not None:
-        raise ToolError("give a response_format or tools, not both (or tool_choice 'none').")
-    if mode == "auto":
-        return list(tools), schemas, response_format
-    return list(tools), schemas, call_grammar(schemas, name, parallel, call_markers(target.tokenizer))
-
-
-def with_tool_calls(target, result: GenerationResult, schemas) -> GenerationResult:
-    """``result`` with the tool calls its output holds (:func:`parse_tool_calls`), read from its
-    tokens with special tokens kept (a template may mark ``<tool_call>`` special) and the final EOS
-    left out."""
-    if schemas is None:
-        return result
-    ids = result.token_ids[:-1] if result.stop_reason == "eos" else result.token_ids
-    parsed = parse_tool_calls(target.decode(ids, special_tokens=True), schemas)
-    return result if parsed is None else dataclasses.replace(result, tool_calls=parsed[1])
-
-
-def grammar_compiler(target) -> GrammarCompiler:
-    """The target's grammar compiler (its tokenizer as the grammar engine reads it), built on first
-    use and kept on the target; building it takes seconds, so the server builds it at start.
-
-    Raises:
-        ConfigError: a tokenizer the grammar engine cannot read.
-    """
-    lock = target.__dict__.setdefault("_grammar_lock", threading.Lock())
-    with lock:
-        compiler = target.__dict__.get("_grammar_compiler")
-        if compiler is None:
-            compiler = GrammarCompiler(target.tokenizer, target.vocab_size,
-                                       target.eos_token_ids | target.end_of_turn_ids)
-            target.__dict__["_grammar_compiler"] = compiler
-    return compiler
-
-
-def compile_response_format(target, response_format: Mapping[str, Any] | None) -> Grammar | None:
-    """A ``response_format`` compiled for ``target`` (``None`` for unconstrained text). The
-    target's tokenizer is read for the grammar engine once and kept on the target, with the
-    :data:`KEPT_GRAMMARS` formats compiled last.
-
-    Raises:
-        GrammarError: a bad format, schema, regex or grammar, in one sentence.
-        ConfigError: a tokenizer the grammar engine cannot read.
-    """
-    if response_format is None:
-        return None
-    if grammar_source(response_format) is None:  # {"type": "text"}, after its shape is checked
-        return None
-    key = json.dumps(response_format, sort_keys=True, default=repr)
-    compiler = grammar_compiler(target)
-    lock = target.__dict__["_grammar_lock"]
-    with lock:
-        kept = target.__dict__.setdefault("_kept_grammars", OrderedDict())
-        grammar = kept.pop(key, None)
-    if grammar is None:
-        grammar = compiler.compile(response_format)
-    with lock:
-        kept[key] = grammar
-        while len(kept) > KEPT_GRAMMARS:
-            kept.popitem(last=False)
-    return grammar
-
-
-def check_seed(seed) -> None:
-    """Refuse a seed that ``torch.Generator.manual_seed`` cannot take.
-
-    Raises:
-        ConfigError: ``seed`` is neither ``None`` nor an integer in ``[0, 2**64)``.
-    """
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
-        raise ConfigError(f"seed must be an integer in [0, 2**64), got {seed!r}.")
-
-
-def check_stop_strings(stop) -> tuple[str, ...]:
-    """``stop`` as a tuple of stop strings (one string is one stop string).
-
-    Raises:
-        ConfigError: ``stop`` is not a string or a sequence of non-empty, valid Unicode strings.
-    """
-    if isinstance(stop, str):
-        stop = (stop,)
-    if not isinstance(stop, (list, tuple)):
-        raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}.")
-    if any(not isinstance(s, str) or not s for s in stop):
-        raise ConfigError("stop strings must be non-empty strings.")
-    for s in stop:
-        check_text("a stop string", s, ConfigError)
-    return tuple(stop)
-
-
-def check_text(what: str, text: str, error: type[Exception] = PromptError) -> None:
-    """Refuse text that no tokenizer can take: a lone surrogate (what invalid UTF-8 bytes on a
-    command line become).
-
-    Raises:
-        PromptError (or ``error``): ``text`` is not encodable as UTF-8.
-    """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise error(f"{what} is not valid UTF-8 text: it holds the lone surrogate U+{ord(text[exc.start]):04X} "
-                    f"at character {exc.start} (invalid bytes in the input).") from None
-
-
-def check_max_new_tokens(max_new_tokens) -> None:
-    """Refuse a ``max_new_tokens`` that is not an integer >= 1.
-
-    Raises:
-        ConfigError: naming the value.
-    """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
-
-
-def check_context(target, prompt_tokens: int, max_new_tokens: int) -> None:
-    """Refuse a prompt of ``prompt_tokens`` tokens plus ``max_new_tokens`` new ones beyond the
-    target's context.
-
-    Raises:
-        PromptError: naming both sizes and the context's.
-    """
-    if prompt_tokens + max_new_tokens > target.max_context:
-        raise PromptError(f"the prompt has {prompt_tokens} tokens and {max_new_tokens} new tokens were asked for, "
-                          f"but the target's context holds {target.max_context} tokens.")
-
-
-def encode_prompt(target, prompt) -> torch.Tensor:
-    """A prompt as :func:`generate` reads it: text tokenized with the target's special prefix (BOS),
-    or token ids checked.
-
-    Returns:
-        ``[P]`` long on the target's device, P >= 1.
-
-    Args:
-        prompt: text, a list or tuple of ``int``, or a 1-D integer tensor; nothing else.
-
-    Raises:
-        PromptError: empty, not valid UTF-8, another type or shape (:func:`check_token_ids`), or
-            ids outside the vocabulary.
-    """
-    if isinstance(prompt, str):
-        check_text("the prompt", prompt)
-        if not prompt.strip():
-            raise PromptError("the prompt is empty.")
-        ids = target.encode(prompt)
-    else:
-        ids = check_token_ids(prompt, "the prompt", target.vocab_size).to(target.device)
-    if ids.numel() == 0:
-        raise PromptError("the prompt is empty.")
-    return ids
+    request = build_request(
+        target, prompt, messages=messages, tools=tools, tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls, method=method, drafter=drafter, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
+        stop=stop, include_stop=include_stop, prediction=prediction, ignore_eos=ignore_eos,
+        response_format=response_format, logprobs=logprobs, draft_budget=draft_budget, **method_options)
+    return run_request(target, request, streamer=streamer, text_streamer=text_streamer, load=load)

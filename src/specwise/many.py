@@ -12,24 +12,21 @@ distribution when sampling.
 
 from __future__ import annotations
 
-import inspect
 import queue
 import threading
 from typing import Any, Callable, Sequence
 
-from specwise.api import check_context, check_max_new_tokens, encode_prompt, generate, shared_drafter, tool_setup
 from specwise.engine.capacity import footprint
 from specwise.engine.load import BatchLoad
 from specwise.engine.types import GenerationResult
 from specwise.errors import CapacityError, ConfigError, SpecwiseError
+from specwise.request import GenerationRequest, build_request, run_request
 from specwise.targets.measured import verify_costs
 
 #: the most generations :func:`generate_many` runs at once by default
 DEFAULT_MAX_BATCH = 8
-#: generate's own keyword arguments (the rest are the method's options)
-_GENERATE_ARGS = frozenset(inspect.signature(generate).parameters) - {"method_options"}
-#: generate's default ``max_new_tokens``
-_DEFAULT_NEW_TOKENS = inspect.signature(generate).parameters["max_new_tokens"].default
+#: :func:`specwise.generate`'s keywords that are no part of a request (passed to each run)
+_RUN_ARGS = ("streamer", "text_streamer")
 
 
 def batches_generations(target) -> bool:
@@ -71,8 +68,9 @@ def generate_many(target, prompts: Sequence[Any] | None = None, *, messages: Seq
     Raises:
         ConfigError: neither or both of ``prompts`` and ``messages``, none given, a bad
             ``max_batch`` or a seed list of another length.
-        SpecwiseError: what :func:`specwise.generate` raises for a prompt, its index named (the
-            other prompts still run to their end first).
+        SpecwiseError: what :func:`specwise.generate` raises for a prompt, its index named: every
+            request is checked before any runs; a failure while running is raised after the other
+            prompts have run to their end.
     """
     items = _items(prompts, messages)
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
@@ -80,42 +78,29 @@ def generate_many(target, prompts: Sequence[Any] | None = None, *, messages: Seq
     seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(items)
     if len(seeds) != len(items):
         raise ConfigError(f"{len(seeds)} seeds for {len(items)} prompts: give one seed, or one per prompt.")
-    options = {k: v for k, v in kwargs.items() if k not in _GENERATE_ARGS}
-    common = {k: v for k, v in kwargs.items() if k in _GENERATE_ARGS}
-    if "drafter" not in common:
-        common["drafter"] = shared_drafter(target, method, **options)
-    elif options:
-        raise ConfigError("method options cannot be combined with an already built drafter.")
-    jobs = [dict(common, seed=s, **item) for item, s in zip(items, seeds)]
-    if not batches_generations(target) or max_batch == 1 or len(jobs) == 1:
-        return [_named(i, lambda job=job: generate(target, **job)) for i, job in enumerate(jobs)]
-    needs = [_named(i, lambda job=job: _need(target, job)) for i, job in enumerate(jobs)]
-    return _run_batched(target, jobs, needs, min(max_batch, getattr(target, "max_generations", max_batch)))
+    if "load" in kwargs:
+        raise ConfigError("generate_many gives each generation its seat in the batch; pass no load.")
+    run = {k: kwargs.pop(k) for k in _RUN_ARGS if k in kwargs}
+    requests = [_named(i, lambda item=item, s=s: build_request(target, method=method, seed=s, **item, **kwargs))
+                for i, (item, s) in enumerate(zip(items, seeds))]
+    if not batches_generations(target) or max_batch == 1 or len(requests) == 1:
+        return [_named(i, lambda r=r: run_request(target, r, **run)) for i, r in enumerate(requests)]
+    needs = [_named(i, lambda r=r: _need(target, r)) for i, r in enumerate(requests)]
+    return _run_batched(target, requests, needs, min(max_batch, getattr(target, "max_generations", max_batch)), run)
 
 
-def _need(target, job: dict):
-    """A job's worst case in the target's pool (:func:`specwise.engine.capacity.footprint`), its
-    prompt tokenized once here (a text prompt is passed on as ids); ``None`` without a shared pool.
+def _need(target, request: GenerationRequest):
+    """A request's worst case in the target's pool (:func:`specwise.engine.capacity.footprint`);
+    ``None`` without a shared pool.
 
     Raises:
-        ConfigError: a bad ``max_new_tokens``.
-        PromptError: a prompt :func:`specwise.generate` would refuse.
-        CapacityError: a job that could not fit in the pool even alone.
+        CapacityError: a request that could not fit in the pool even alone.
     """
     capacity = getattr(target, "capacity", None)
     if capacity is None:
         return None
-    if "prompt" in job:
-        job["prompt"] = encode_prompt(target, job["prompt"])
-        prompt_tokens = job["prompt"].numel()
-    else:  # a chat: its template's tokens (tools rendered as generate renders them)
-        tools = tool_setup(job.get("tools"), job.get("tool_choice"), job.get("parallel_tool_calls", True),
-                           job.get("response_format"), True, target)[0]
-        prompt_tokens = target.encode_chat(job["messages"], tools).numel()
-    new_tokens = job.get("max_new_tokens", _DEFAULT_NEW_TOKENS)
-    check_max_new_tokens(new_tokens)
-    check_context(target, prompt_tokens, new_tokens)
-    need = footprint(prompt_tokens, new_tokens, target.max_context, bool(getattr(job["drafter"], "side_forwards", False)))
+    need = footprint(request.prompt_tokens, request.max_new_tokens, target.max_context,
+                     bool(getattr(request.drafter, "side_forwards", False)))
     if not capacity.fits_alone(need):
         raise CapacityError(capacity.refusal(need))
     return need
@@ -139,8 +124,9 @@ def _named(index: int, run: Callable[[], GenerationResult]) -> GenerationResult:
         raise type(exc)(f"prompt {index}: {exc}") from None
 
 
-def _run_batched(target, jobs: list[dict], needs: list, width: int) -> list[GenerationResult]:
-    """The jobs on ``width`` threads, each generation inside the target's batch with a seat in one
+def _run_batched(target, jobs: list[GenerationRequest], needs: list, width: int,
+                 run: dict[str, Any]) -> list[GenerationResult]:
+    """The requests on ``width`` threads, each generation inside the target's batch with a seat in one
     load rule, once its worst case is reserved in the target's pool (it waits for room)."""
     load = batch_load(target)
     results: list[GenerationResult | None] = [None] * len(jobs)
@@ -159,7 +145,7 @@ def _run_batched(target, jobs: list[dict], needs: list, width: int) -> list[Gene
             share = load.join()
             try:
                 with target.batch_member():
-                    results[index] = generate(target, load=share, **jobs[index])
+                    results[index] = run_request(target, jobs[index], load=share, **run)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
                 errors[index] = exc
             finally:

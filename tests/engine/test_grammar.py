@@ -151,7 +151,8 @@ def test_the_llamacpp_engine_gives_constrained_ar_for_every_method(tmp_path, mon
     """The same on ggml (a tiny F32 GGUF with the text vocabulary): constrained ``ar`` is the masked
     engine decoded greedily, and every method there gives it, the trained ones (random modules) too."""
     llamacpp = pytest.importorskip("specwise.targets.llamacpp")
-    if not llamacpp.available():
+    llamacpp_backend = pytest.importorskip("specwise.targets.llamacpp_backend")
+    if not llamacpp_backend.available():
         pytest.skip("llama-cpp-python is not installed (the [llamacpp] extra)")
     from test_llamacpp_trained import _dflash, _eagle, _medusa
     from tiny_gguf import write_tiny_llama

@@ -27,17 +27,12 @@ from conftest import (
     reference_greedy,
     repetitive_prompt,
 )
+from specwise.drafters.ngram_lookup import GREEDY_NGRAMS, SAMPLED_NGRAMS, ngram_sizes
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.types import DraftContext
 from specwise.methods.autoregressive import AutoregressiveConfig, AutoregressiveDrafter
 from specwise.methods.draft.drafter import DraftModelConfig, DraftModelDrafter
-from specwise.methods.prompt_lookup import (
-    GREEDY_NGRAMS,
-    SAMPLED_NGRAMS,
-    PromptLookupConfig,
-    PromptLookupDrafter,
-    ngram_sizes,
-)
+from specwise.methods.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
 
 NEW = 30
 KS = [1, 2, 5, 8]

@@ -23,7 +23,8 @@ from specwise.engine.sampling import SamplingConfig
 from specwise.engine.types import DraftContext
 from specwise.errors import ConfigError, DrafterError
 from specwise.methods.eagle.drafter import EagleDrafter, EagleDrafterConfig, load_eagle_head
-from specwise.methods.eagle.network import EagleConfig, EagleHead, default_feature_layers
+from specwise.methods.eagle.network import EagleConfig, EagleHead
+from specwise.models.common import default_feature_layers
 
 LAYERS = (0, 1, 2)
 VOCAB_D = 96

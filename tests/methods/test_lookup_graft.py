@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import specwise
 from conftest import ARCHS, make_target, reference_greedy, repetitive_prompt
 from specwise.drafters import base
+from specwise.drafters.lookup_graft import LOOKUP_PRIOR, LookupGraft, LookupGraftConfig, lookup_length
 from specwise.engine.loop import speculative_generate
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.tree import DraftTree, graft_chain
@@ -21,7 +22,6 @@ from specwise.engine.types import AuxiliaryTokens, DraftContext, Proposal, StepF
 from specwise.errors import ConfigError
 from specwise.methods.dflash.drafter import DFlashDrafter, DFlashDrafterConfig
 from specwise.methods.eagle.drafter import EagleDrafter, EagleDrafterConfig
-from specwise.methods.lookup_graft import LOOKUP_PRIOR, LookupGraft, LookupGraftConfig, lookup_length
 from specwise.methods.medusa.drafter import MedusaDrafter, MedusaDrafterConfig
 from test_dflash import make_dflash
 from test_eagle import make_head

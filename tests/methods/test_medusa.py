@@ -271,7 +271,6 @@ def test_heads_for_another_target_are_refused(tmp_path):
 
 
 def test_medusa_recipe_learns_calibrates_and_validates(tmp_path):
-    from specwise.methods.draft.recipe import is_validation
     from specwise.methods.medusa.recipe import MedusaRecipe, MedusaRecipeConfig
     from specwise.training.corpus import CorpusConfig, build_corpus
     from specwise.training.features import (
@@ -281,6 +280,7 @@ def test_medusa_recipe_learns_calibrates_and_validates(tmp_path):
         iter_labelled,
         token_frequencies,
     )
+    from specwise.training.recipes.distill import is_validation
     from specwise.training.trainer import TrainConfig, train
     from test_training import _records
 

@@ -12,10 +12,10 @@ import pytest
 import specwise
 import specwise.methods
 from conftest import make_target, random_prompt
+from specwise.discovery import method_modules
 from specwise.drafters.base import METHODS
 from specwise.drafters.export import export_drafter, export_formats
 from specwise.interop.formats import detect
-from specwise.methods import method_modules
 from specwise.methods.auto.drafter import default_candidates
 from specwise.prompts import PromptRecord
 from specwise.training.corpus import CorpusConfig, build_corpus

@@ -14,9 +14,9 @@ import torch
 
 import specwise
 from conftest import greedy_continuation, make_model, make_target, random_prompt, reference_greedy
+from specwise.drafters.prediction import PredictionDrafter, continuation_in, prediction_ids
 from specwise.errors import PromptError
 from specwise.methods.draft.drafter import DraftModelConfig, DraftModelDrafter
-from specwise.methods.prediction import PredictionDrafter, continuation_in, prediction_ids
 
 PROMPT = random_prompt(12, seed=5)
 NEW = 40

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specwise.methods.prompt_lookup import cut_after_eos, find_continuation
+from specwise.drafters.ngram_lookup import cut_after_eos, find_continuation
 
 EOS = torch.tensor([3])
 

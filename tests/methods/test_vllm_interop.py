@@ -18,9 +18,9 @@ import torch
 
 import specwise
 from conftest import interop_python
-from specwise.api import encode_prompt
 from specwise.methods.eagle.interop import export_eagle3
 from specwise.methods.eagle.network import STANDARD_ARCHITECTURE, EagleConfig, EagleHead
+from specwise.request import encode_prompt
 
 pytestmark = pytest.mark.slow
 

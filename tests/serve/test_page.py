@@ -37,8 +37,9 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
+    # fixed budgets: the measured ones follow timings, so two requests could draft differently
     server = Server(model_dir, "--method", "pld", "--methods", ",".join(METHODS), "--max-tokens-cap", "256",
-                    "--api-key", KEY)
+                    "--api-key", KEY, "--draft-budget", "fixed")
     yield server
     server.stop()
 

@@ -519,12 +519,16 @@ def test_a_request_is_prepared_without_a_server(target):
                              speculative={"method": "pld", "options": {"num_draft_tokens": 4}})
     prepared = prepare(target, body, False, limits)
     assert prepared.method == "pld" and prepared.options == {"num_draft_tokens": 4}
-    assert prepared.kwargs["prompt"].tolist() == target.encode(PROMPT).tolist()
+    request = prepared.request
+    assert request.prompt_ids.tolist() == target.encode(PROMPT).tolist()
     assert prepared.prompt_tokens == len(target.encode(PROMPT))
-    assert {k: prepared.kwargs[k] for k in ("temperature", "seed", "stop", "max_new_tokens")} == \
-        {"temperature": 0.5, "seed": 3, "stop": ["t9"], "max_new_tokens": 8}
+    assert (request.sampling.temperature, request.seed, request.stop, request.max_new_tokens) == (0.5, 3, ("t9",), 8)
+    assert request.drafter.method == "pld" and request.drafter.config.num_draft_tokens == 4
+    assert request.include_stop is False  # OpenAI's stop strings are left out of the text
     chat = ChatRequest(model="tiny", messages=[{"role": "user", "content": "t5 t6"}])
-    assert prepare(target, chat, True, limits).kwargs["max_new_tokens"] == 64  # chat defaults to the cap
+    prepared_chat = prepare(target, chat, True, limits)
+    assert prepared_chat.request.max_new_tokens == 64  # chat defaults to the cap
+    assert prepared_chat.request.eos_token_ids == target.eos_token_ids | target.end_of_turn_ids
     for bad, status, param in [(body.model_copy(update={"model": "x"}), 404, "model"),
                                (body.model_copy(update={"max_tokens": 65}), 400, "max_tokens"),
                                (chat.model_copy(update={"messages": chat.messages * 5}), 413, "messages")]:

@@ -164,7 +164,8 @@ def test_logprob_bytes_are_the_tokens_own_even_mid_character():
     from transformers import AddedToken, PreTrainedTokenizerFast
 
     from conftest import _byte_level_chars
-    from specwise.api import grammar_compiler
+    from specwise.engine.kept import TargetKept
+    from specwise.output import grammar_compiler
     from specwise.serve.app import Service
 
     chars = _byte_level_chars()
@@ -181,6 +182,7 @@ def test_logprob_bytes_are_the_tokens_own_even_mid_character():
 
         def __init__(self):
             self.tokenizer = tokenizer
+            self.kept = TargetKept()  # what every target declares
 
         def decode(self, ids, special_tokens=False):
             return tokenizer.decode(ids, skip_special_tokens=not special_tokens)

@@ -256,6 +256,50 @@ def test_tools_on_a_template_that_cannot_render_them_are_refused():
         specwise.generate(target, messages=MESSAGES, tools=TOOLS, max_new_tokens=4)
 
 
+def _counting(monkeypatch, target) -> dict[str, int]:
+    """Counts of the chat template's renders and the grammar engine's compiles from now on."""
+    from specwise.engine.grammar import GrammarCompiler
+
+    counts = {"renders": 0, "compiles": 0}
+    render, compile_ = target.tokenizer.apply_chat_template, GrammarCompiler.compile
+
+    def counted_render(*args, **kwargs):
+        counts["renders"] += 1
+        return render(*args, **kwargs)
+
+    def counted_compile(self, *args, **kwargs):
+        counts["compiles"] += 1
+        return compile_(self, *args, **kwargs)
+
+    monkeypatch.setattr(target.tokenizer, "apply_chat_template", counted_render)
+    monkeypatch.setattr(GrammarCompiler, "compile", counted_compile)
+    return counts
+
+
+@pytest.mark.parametrize("path", ["generate", "server"])
+def test_a_request_renders_its_template_once_and_compiles_its_grammar_once(monkeypatch, path):
+    from specwise.request import run_request
+    from specwise.serve.protocol import ChatRequest
+    from specwise.serve.requests import Limits, prepare
+
+    target = tool_target()
+    assert target.end_of_turn_ids is not None  # read from the template once per target, before counting
+    counts = _counting(monkeypatch, target)
+    if path == "generate":
+        result = specwise.generate(target, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_new_tokens=120,
+                                   parallel_tool_calls=False)
+    else:
+        limits = Limits("tiny", "ar", ("ar",), max_tokens_cap=120, max_prompt_tokens=None, max_messages=4)
+        body = ChatRequest(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=120,
+                           parallel_tool_calls=False)
+        result = run_request(target, prepare(target, body, True, limits).request)
+    assert counts == {"renders": 1, "compiles": 1}
+    assert result.tool_calls
+    specwise.generate(target, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_new_tokens=4,
+                      parallel_tool_calls=False)
+    assert counts == {"renders": 2, "compiles": 1}  # the same calls' grammar is kept by the target
+
+
 # --------------------------------------------------------------------------------------------
 # the server, through the openai client
 

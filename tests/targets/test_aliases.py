@@ -5,7 +5,8 @@ import hashlib
 import pytest
 
 from specwise.errors import TargetLoadError
-from specwise.targets import aliases, loading
+from specwise.targets import aliases
+from specwise.targets import files as loading
 from specwise.targets.aliases import KNOWN_TARGETS, KnownTarget, assemble, part_paths
 
 

@@ -24,7 +24,8 @@ from specwise.engine.capacity import STEP_ALLOWANCE, Capacity, Need, cell_limit,
 from specwise.errors import CapacityError, EngineError
 
 llamacpp = pytest.importorskip("specwise.targets.llamacpp")
-if not llamacpp.available():
+llamacpp_backend = pytest.importorskip("specwise.targets.llamacpp_backend")
+if not llamacpp_backend.available():
     pytest.skip("llama-cpp-python is not installed (the [llamacpp] extra)", allow_module_level=True)
 
 from tiny_gguf import write_tiny_llama  # noqa: E402

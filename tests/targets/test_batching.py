@@ -30,7 +30,8 @@ from specwise.many import batch_load
 from specwise.targets.batching import DecodeBatcher, EngineThread
 
 llamacpp = pytest.importorskip("specwise.targets.llamacpp")
-if not llamacpp.available():
+llamacpp_backend = pytest.importorskip("specwise.targets.llamacpp_backend")
+if not llamacpp_backend.available():
     pytest.skip("llama-cpp-python is not installed (the [llamacpp] extra)", allow_module_level=True)
 
 from tiny_gguf import write_tiny_gemma3, write_tiny_llama  # noqa: E402

@@ -23,7 +23,8 @@ from specwise.engine.target import AttentionLayout, DecodingTarget
 from specwise.errors import ConfigError
 
 llamacpp = pytest.importorskip("specwise.targets.llamacpp")
-if not llamacpp.available():
+llamacpp_backend = pytest.importorskip("specwise.targets.llamacpp_backend")
+if not llamacpp_backend.available():
     pytest.skip("llama-cpp-python is not installed (the [llamacpp] extra)", allow_module_level=True)
 
 from tiny_gguf import write_tiny_gemma3, write_tiny_llama  # noqa: E402
@@ -58,7 +59,7 @@ def plain_greedy(target, prompt, count) -> tuple[list[int], float]:
 
 def test_it_implements_the_target_interface(target):
     assert isinstance(target, DecodingTarget) and target.vocab_size == VOCAB
-    assert target.dtype == llamacpp.drafter_dtype()  # what drafters compute in; the logits are float32
+    assert target.dtype == llamacpp_backend.drafter_dtype()  # what drafters compute in; the logits are float32
     assert target.forward(torch.tensor(PROMPT), target.new_cache(), num_logits=1).logits.dtype == torch.float32
 
 
@@ -136,29 +137,29 @@ def test_sampling_with_a_seed_repeats(target):
 
 def test_repacking_is_off_exactly_where_ggml_runs_amx_kernels():
     amx = frozenset({"avx512f", "amx_tile", "amx_int8", "amx_bf16"})
-    assert llamacpp.repack_by_default(frozenset({"avx2", "avx512f"})) is True
-    assert llamacpp.repack_by_default(amx) is False  # a backend linked in: its kernels may be AMX's
-    assert llamacpp.repack_by_default(amx, variant="sapphirerapids") is False
-    assert llamacpp.repack_by_default(amx, variant="zen4") is True  # no AMX kernels loaded
-    assert llamacpp.repack_by_default(frozenset()) is True
+    assert llamacpp_backend.repack_by_default(frozenset({"avx2", "avx512f"})) is True
+    assert llamacpp_backend.repack_by_default(amx) is False  # a backend linked in: its kernels may be AMX's
+    assert llamacpp_backend.repack_by_default(amx, variant="sapphirerapids") is False
+    assert llamacpp_backend.repack_by_default(amx, variant="zen4") is True  # no AMX kernels loaded
+    assert llamacpp_backend.repack_by_default(frozenset()) is True
     maps = "7f00-7f10 r-xp 0 08:01 5 /x/site-packages/bin/libggml-cpu-zen4.so\n7f20 r-xp /x/libggml-base.so\n"
-    assert llamacpp.loaded_cpu_variant(maps) == "zen4" and llamacpp.loaded_cpu_variant("") is None
-    flags = llamacpp.cpu_flags("processor : 0\nflags : fpu avx2 amx_tile\nflags : other\n")
+    assert llamacpp_backend.loaded_cpu_variant(maps) == "zen4" and llamacpp_backend.loaded_cpu_variant("") is None
+    flags = llamacpp_backend.cpu_flags("processor : 0\nflags : fpu avx2 amx_tile\nflags : other\n")
     assert flags == frozenset({"fpu", "avx2", "amx_tile"})
 
 
 def test_on_a_cpu_with_amx_the_variant_loaded_has_no_amx_kernels_and_repacks(target):
-    variant = llamacpp.loaded_cpu_variant()
-    if variant is None or not any(flag.startswith("amx") for flag in llamacpp.cpu_flags()):
+    variant = llamacpp_backend.loaded_cpu_variant()
+    if variant is None or not any(flag.startswith("amx") for flag in llamacpp_backend.cpu_flags()):
         pytest.skip("not a CPU with AMX running ggml's loadable CPU variants")
-    assert variant not in llamacpp._AMX_VARIANTS and target.repack
+    assert variant not in llamacpp_backend._AMX_VARIANTS and target.repack
 
 
 def test_drafters_compute_in_bf16_exactly_where_the_cpu_multiplies_it_natively():
-    assert llamacpp.drafter_dtype(frozenset({"avx2", "avx512f"})) == torch.float32
-    assert llamacpp.drafter_dtype(frozenset({"avx512f", "avx512_bf16"})) == torch.bfloat16
-    assert llamacpp.drafter_dtype(frozenset({"amx_tile", "amx_bf16"})) == torch.bfloat16
-    assert llamacpp.drafter_dtype(frozenset()) == torch.float32
+    assert llamacpp_backend.drafter_dtype(frozenset({"avx2", "avx512f"})) == torch.float32
+    assert llamacpp_backend.drafter_dtype(frozenset({"avx512f", "avx512_bf16"})) == torch.bfloat16
+    assert llamacpp_backend.drafter_dtype(frozenset({"amx_tile", "amx_bf16"})) == torch.bfloat16
+    assert llamacpp_backend.drafter_dtype(frozenset()) == torch.float32
 
 
 def test_auto_runs_the_candidates_this_engine_can(target):

@@ -18,7 +18,8 @@ from conftest import assert_distribution, draw_sequences, make_tokenizer, refere
 from specwise.methods.draft.drafter import DraftModelConfig, DraftModelDrafter
 
 llamacpp = pytest.importorskip("specwise.targets.llamacpp")
-if not llamacpp.available():
+llamacpp_backend = pytest.importorskip("specwise.targets.llamacpp_backend")
+if not llamacpp_backend.available():
     pytest.skip("llama-cpp-python is not installed (the [llamacpp] extra)", allow_module_level=True)
 
 from test_sampling_e2e import PROMPT, V, _dflash, _eagle, _medusa  # noqa: E402

@@ -15,7 +15,8 @@ from conftest import make_tokenizer
 from specwise.errors import ConfigError
 
 llamacpp = pytest.importorskip("specwise.targets.llamacpp")
-if not llamacpp.available():
+llamacpp_backend = pytest.importorskip("specwise.targets.llamacpp_backend")
+if not llamacpp_backend.available():
     pytest.skip("llama-cpp-python is not installed (the [llamacpp] extra)", allow_module_level=True)
 
 from test_llamacpp import NEW, PROMPT, VOCAB, plain_greedy  # noqa: E402

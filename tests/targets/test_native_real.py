@@ -19,7 +19,7 @@ from gguf.quants import dequantize
 
 import specwise
 from specwise.lab.bench.runner import TIE_MARGIN, first_divergence
-from specwise.targets.loading import gguf_file
+from specwise.targets.files import gguf_file
 from specwise.targets.native.blocks import PLANE_TYPES, affine_from_blocks, planes_from_affine
 from specwise.targets.native.modules import Int8Linear, PackedLinear, int8_rows
 from specwise.targets.native.weights import weights_of

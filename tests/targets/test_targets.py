@@ -20,6 +20,7 @@ import torch
 
 import specwise
 from conftest import TREE_SHAPES, OracleDrafter, TreeOracleDrafter, block_chain_auxiliary
+from specwise.engine.kept import TargetKept
 from specwise.engine.target import DecodingTarget, TargetCache, TargetOutput
 
 VOCAB = 64
@@ -64,6 +65,7 @@ class HashTarget:
 
     def __init__(self) -> None:
         self.forwards = 0
+        self.kept = TargetKept()
 
     def logits_after(self, prefix: tuple[int, ...]) -> np.ndarray:
         digest = hashlib.blake2b(repr(prefix[-6:]).encode(), digest_size=8).digest()

@@ -24,7 +24,6 @@ from specwise.drafters.checkpoint import DrafterCheckpoint, load_checkpoint, sav
 from specwise.errors import ConfigError, DrafterError
 from specwise.methods.draft.drafter import DraftModelConfig, DraftModelDrafter, load_draft_lm
 from specwise.methods.draft.network import DraftLM, DraftLMConfig
-from specwise.methods.draft.recipe import DraftLMRecipe, DraftRecipeConfig
 from specwise.prompts import PromptRecord, is_held_out
 from specwise.training.acceptance import replay_chain
 from specwise.training.cli import options_from_args
@@ -42,6 +41,7 @@ from specwise.training.losses import DistillLoss
 from specwise.training.options import TrainOptions, make_options
 from specwise.training.recipes import RECIPES, get_recipe, recipe_names
 from specwise.training.recipes.base import RecipeRegistry
+from specwise.training.recipes.distill import DraftLMRecipe, DraftRecipeConfig
 from specwise.training.trainer import TrainConfig, join_process_group, learning_rate, train
 
 VOCAB_D = 96  # draft vocabulary of the tiny models (of 128)

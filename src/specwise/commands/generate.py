@@ -9,17 +9,18 @@ from pathlib import Path
 
 from rich.console import Console
 
-from specwise.api import check_seed, check_stop_strings, check_text, engine_for, generate, spec_and_config
+from specwise.api import engine_for, generate, spec_and_config
 from specwise.drafters.checkpoint import shipped_drafter
 from specwise.drafters.spec import parse_option_value
 from specwise.engine.grammar import grammar_source
 from specwise.engine.sampling import SamplingConfig
 from specwise.errors import ConfigError, DrafterError, PromptError
 from specwise.lab.report import stats_table
+from specwise.request import check_seed, check_stop_strings, check_text
 from specwise.targets.aliases import KNOWN_TARGETS
 from specwise.targets.chat import check_messages
 from specwise.targets.engine_choice import ENGINE_HELP, ENGINES
-from specwise.targets.hf import load_target, resolve_device
+from specwise.targets.loading import load_target, resolve_device
 from specwise.targets.native.weights import WEIGHTS, WEIGHTS_HELP
 
 

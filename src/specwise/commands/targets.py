@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from specwise.targets.aliases import KNOWN_TARGETS
-from specwise.targets.loading import alias_cache_state
+from specwise.targets.files import alias_cache_state
 
 
 def add_targets_args(p: argparse.ArgumentParser, default_target: str) -> None:

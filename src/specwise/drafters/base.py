@@ -7,16 +7,15 @@ re-exported here for drafter modules.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
 from specwise.checks import check_flag, check_int, check_probability
+from specwise.discovery import import_methods
 from specwise.engine.drafter import Drafter
 from specwise.errors import ConfigError, DrafterError
-from specwise.methods import import_methods
 
 __all__ = ["Drafter", "DraftingConfig", "METHODS", "MethodConfig", "MethodRegistry", "MethodSpec", "check_flag",
            "check_int", "check_probability", "check_probability_threshold", "register_drafter"]
@@ -34,29 +33,37 @@ def check_probability_threshold(name: str, value: float | None) -> None:
 
 
 def loaded_once(target, key: tuple, load: Callable[[], Any]) -> Any:
-    """What ``load()`` returns for ``key``, loaded once per target and kept on the target object (a
-    drafter's weights, a draft model), so every drafter built for ``target`` shares one copy.
+    """What ``load()`` returns for ``key``, loaded once per target and kept in the target's
+    ``kept.resources`` (:class:`specwise.engine.kept.TargetKept`): a drafter's weights, a draft
+    model, so every drafter built for ``target`` shares one copy.
 
     Args:
-        target: the target (any object that takes attributes).
+        target: the target (a :class:`specwise.engine.target.DecodingTarget`).
         key: what identifies the resource, e.g. ``("eagle", "/path/to/head")``.
         load: builds it; what it raises is raised, and nothing is kept.
     """
-    resources = target.__dict__.setdefault("_drafter_resources", {})
-    lock = target.__dict__.setdefault("_drafter_resources_lock", threading.Lock())
-    with lock:  # two threads building the same drafter at once load its weights once
-        if key not in resources:
-            resources[key] = load()
-        return resources[key]
+    # under the map's lock: two threads building the same drafter at once load its weights once
+    return target.kept.resources.get(key, load)
+
+
+@runtime_checkable
+class HoldsText(Protocol):
+    """A resource kept by a target that holds earlier requests' text (a cross-request index),
+    bounded by its own settings and reported in the server's ``/metrics``."""
+
+    def held_tokens(self) -> int:
+        """Tokens of earlier requests' text held now."""
+
+
+def held_text_tokens(target) -> int:
+    """Tokens of earlier requests' text that the resources kept by ``target`` hold (every
+    :class:`HoldsText` among them, every tenant)."""
+    return sum(r.held_tokens() for r in loaded_resources(target).values() if isinstance(r, HoldsText))
 
 
 def loaded_resources(target) -> dict:
     """What :func:`loaded_once` keeps on ``target``, by key (a copy; empty when nothing is)."""
-    lock = target.__dict__.get("_drafter_resources_lock")
-    if lock is None:
-        return {}
-    with lock:
-        return dict(target.__dict__.get("_drafter_resources", {}))
+    return target.kept.resources.snapshot()
 
 
 def check_engine(target, drafter) -> None:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
+from specwise.discovery import import_methods
 from specwise.drafters.checkpoint import shipped_drafter
 from specwise.errors import DrafterError
 from specwise.interop.formats import Exported, Format, detect
-from specwise.methods import import_methods
 
 
 def export_formats() -> dict[str, tuple[str, ...]]:
@@ -92,7 +92,17 @@ def export_drafter(target, out: str | Path, fmt: str = "speculators", *, path: s
             files, or a drafter the format cannot express exactly.
     """
     path, found = resolve_export(target, fmt, path, method)
-    # a method folder's drafter loads the network as generate would; its interop writes it
-    network = importlib.import_module(f"specwise.methods.{found.method}.drafter").load_network(path, target)
-    writer = importlib.import_module(f"specwise.methods.{found.method}.interop")
+    network = load_network(found.method, path, target)
+    writer = importlib.import_module(f"specwise.methods.{found.method}.interop")  # its interop writes it
     return writer.export(network, target, out, fmt, dtype=dtype, **options)
+
+
+def load_network(method: str, path: str | Path, target):
+    """The torch network of ``method``'s drafter stored at ``path``, for ``target``: loaded by the
+    method folder's own ``drafter.load_network``, as :func:`specwise.generate` would load it (the
+    registry finds the folder by name, so nothing below the methods imports one).
+
+    Raises:
+        DrafterError: not that method's drafter, trained for another target, or bad weights.
+    """
+    return importlib.import_module(f"specwise.methods.{method}.drafter").load_network(path, target)

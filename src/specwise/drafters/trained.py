@@ -1,6 +1,6 @@
 """What the trained drafters (``eagle``, ``medusa``, ``dflash``) share: loading their module from a
 path or the one shipped for the target, the dtype/device check, and the context lookup grafted onto
-their proposals (:mod:`specwise.methods.lookup_graft`).
+their proposals (:mod:`specwise.drafters.lookup_graft`).
 
 A subclass supplies its own drafting: :meth:`TrainedDrafter.draft` (the model's chain or tree),
 :meth:`TrainedDrafter.start_model` (the module's per-generation state) and
@@ -21,9 +21,9 @@ import torch
 
 from specwise.drafters.base import Drafter, loaded_once, on_disk
 from specwise.drafters.checkpoint import shipped_drafter
+from specwise.drafters.lookup_graft import LookupGraft, LookupGraftConfig
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import DrafterError
-from specwise.methods.lookup_graft import LookupGraft, LookupGraftConfig
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specwise.engine.kept import TargetKept
+
 
 @dataclass(frozen=True)
 class TargetOutput:
@@ -73,12 +75,17 @@ class DecodingTarget(Protocol):
         name: what it was loaded by. vocab_size: V, the logits' width. eos_token_ids: tokens that
         end generation. max_context: the most positions. device: where its tensors live. dtype:
         its logits' dtype. final_layer: the hidden-state index of the final (normed) state.
+        kept: what the target keeps between generations (drafters' weights, built drafters,
+        compiled grammars, its measured costs), each map bounded and locked
+        (:class:`specwise.engine.kept.TargetKept`, made empty with the target); nothing else is
+        written onto a target from outside.
     """
 
     name: str
     vocab_size: int
     eos_token_ids: frozenset[int]
     max_context: int
+    kept: TargetKept
 
     @property
     def device(self) -> torch.device: ...

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import logging
 import statistics
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -217,7 +216,7 @@ def measure_forward_times(target, context_ids: torch.Tensor, sizes: Sequence[int
 def verify_cost_table(target, store: Path | None = None) -> VerifyCostTable:
     """``v(n)`` of ``target`` on this machine: a causal forward of n tokens after a realistic
     context, n in :data:`LOAD_SIZES` up to half the context, two repeats; measured once per target
-    object (threads asking at once wait for one measurement) and kept on it.
+    object (threads asking at once wait for one measurement) and kept in its ``kept.once``.
 
     Args:
         store: a JSON file that keeps the table between processes (the same target on the same
@@ -228,21 +227,19 @@ def verify_cost_table(target, store: Path | None = None) -> VerifyCostTable:
     Returns:
         the table of ``t(n) / t(1)`` (:class:`~specwise.engine.cost_model.VerifyCostTable`).
     """
-    lock = target.__dict__.setdefault("_verify_cost_lock", threading.Lock())
-    with lock:
-        cost = target.__dict__.get("_batch_verify_cost")
+    def measure() -> VerifyCostTable:
+        sizes = [n for n in LOAD_SIZES if n <= getattr(target, "max_context", 1 << 30) // 2]
+        cost = _stored_costs(store, sizes)
         if cost is None:
-            sizes = [n for n in LOAD_SIZES if n <= getattr(target, "max_context", 1 << 30) // 2]
-            cost = _stored_costs(store, sizes)
-            if cost is None:
-                context = realistic_context(target, max(sizes))
-                times = measure_forward_times(target, context, sizes, repeats=2)
-                cost = VerifyCostTable(tuple(sizes), tuple(t / times[0] for t in times))
-                _store_costs(store, cost)
-            target.__dict__["_batch_verify_cost"] = cost
-            log.info("v(n) on %s: %s", getattr(target, "name", "the target"),
-                     ", ".join(f"{n}: {v:.2f}" for n, v in zip(cost.num_tokens, cost.relative_cost)))
-    return cost
+            context = realistic_context(target, max(sizes))
+            times = measure_forward_times(target, context, sizes, repeats=2)
+            cost = VerifyCostTable(tuple(sizes), tuple(t / times[0] for t in times))
+            _store_costs(store, cost)
+        log.info("v(n) on %s: %s", getattr(target, "name", "the target"),
+                 ", ".join(f"{n}: {v:.2f}" for n, v in zip(cost.num_tokens, cost.relative_cost)))
+        return cost
+
+    return target.kept.once.get("verify_cost", measure)
 
 
 def _stored_costs(store: Path | None, sizes: list[int]) -> VerifyCostTable | None:

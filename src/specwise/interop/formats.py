@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from specwise.discovery import import_methods
 from specwise.errors import DrafterError
-from specwise.methods import import_methods
 from specwise.targets.aliases import KNOWN_TARGETS
 
 CONFIG_NAME = "config.json"

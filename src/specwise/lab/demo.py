@@ -15,7 +15,7 @@ from specwise.drafters import METHODS
 from specwise.drafters.checkpoint import shipped_drafter
 from specwise.lab.bench.runner import TIE_MARGIN, first_divergence
 from specwise.prompts import builtin_prompt_file, load_prompts
-from specwise.targets.hf import load_target
+from specwise.targets.loading import load_target
 
 DEMO_CATEGORIES = ("code", "summarization", "rag")
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from specwise.drafters.base import Drafter, MethodConfig, check_flag, check_int, register_drafter
+from specwise.drafters.ngram_lookup import find_continuation
 from specwise.engine.tree import merge_paths
 from specwise.engine.types import AuxiliaryTokens, DraftContext, Proposal, StepFeedback
-from specwise.methods.prompt_lookup import find_continuation
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 - :func:`rotary`: rotary position embedding (EAGLE, DFlash); ``ACTIVATIONS``: their MLP activations;
 - :class:`HeadCache`: a growable KV cache of committed entries (EAGLE's head, each DFlash layer);
 - :class:`Borrowed`: the target tensors a drafter uses but never stores (embeddings, LM-head rows);
-- :func:`check_taps_and_vocabulary`: a drafter's feature taps and draft vocabulary against the target.
+- :func:`check_taps_and_vocabulary`: a drafter's feature taps and draft vocabulary against the target;
+- :func:`default_feature_layers`: EAGLE-3's taps for a target's depth (EAGLE, DFlash, and the
+  training features they read).
 
 The model configs check their options with :mod:`specwise.checks`.
 """
@@ -79,6 +81,13 @@ def check_taps_and_vocabulary(target, feature_layers: tuple[int, ...], vocab: to
         raise DrafterError(f"draft vocabulary has {vocab.numel()} ids but the config says {size}.")
     if int(vocab.max()) >= target.vocab_size or int(vocab.min()) < 0:
         raise DrafterError(f"draft vocabulary ids fall outside the target's {target.vocab_size} tokens.")
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's taps for a target of ``num_layers`` decoder layers: ``(2, L // 2, L - 3)`` (HF
+    ``hidden_states`` indices, i.e. the inputs of those layers), de-duplicated for shallow targets."""
+    picks = [min(2, num_layers), num_layers // 2, max(num_layers - 3, 0)]
+    return tuple(sorted(set(picks)))
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

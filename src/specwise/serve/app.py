@@ -80,7 +80,7 @@ class ServerConfig:
         """What each request is checked against."""
         methods = tuple(dict.fromkeys([self.default_method, *self.methods]))
         return Limits(self.model, self.default_method, methods, self.max_tokens_cap, self.max_prompt_tokens,
-                      self.max_messages)
+                      self.max_messages, self.draft_budget)
 
 
 def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> FastAPI:
@@ -95,8 +95,7 @@ def create_app(target, config: ServerConfig, *, worker_thread: bool = True) -> F
     """
     metrics = ServerMetrics()
     worker = GenerationWorker(target, list(config.limits.methods), config.max_queue, config.time_limit_s, metrics,
-                              {config.default_method: dict(config.default_options)}, max_batch=config.max_batch,
-                              draft_budget=config.draft_budget)
+                              {config.default_method: dict(config.default_options)}, max_batch=config.max_batch)
     worker.start(thread=worker_thread)
     service = Service(target, config, worker, metrics)
 
@@ -158,10 +157,9 @@ class Service:
         """
         endpoint = "/v1/chat/completions" if chat else "/v1/completions"
         tenant = request.scope.get("state", {}).get(TENANT, "")
-        prepared = await asyncio.to_thread(prepare, self.target, body, chat, self.limits, tenant)
-        job = Job(prepared.request_id, prepared.kwargs, prepared.method, prepared.options, deadline=float("inf"),
-                  loop=asyncio.get_running_loop(), stream=body.stream, user=body.user,
-                  prompt_tokens=prepared.prompt_tokens, origins=bool(body.speculative and body.speculative.origins))
+        prepared = await asyncio.to_thread(prepare, self.target, body, chat, self.limits, tenant, self.worker.drafter)
+        job = Job(prepared.request_id, prepared.request, deadline=float("inf"), loop=asyncio.get_running_loop(),
+                  stream=body.stream, user=body.user, origins=bool(body.speculative and body.speculative.origins))
         self.worker.submit(job)
         if body.stream:
             self.metrics.requests.labels(endpoint, "200").inc()
@@ -200,7 +198,7 @@ class Service:
         grammar engine's byte-level view of the vocabulary where the target has one (built at
         start), else the text's UTF-8 (which a token holding part of a character cannot give)."""
         text = self.target.decode([token], special_tokens=True)
-        compiler = self.target.__dict__.get("_grammar_compiler")
+        compiler = self.target.kept.once.peek("grammar_compiler")
         if compiler is None or not 0 <= token < compiler.real_tokens or compiler.tokenizer.is_special_token(token):
             return text, text.encode("utf-8")
         return text, compiler.tokenizer.decode_bytes([token])

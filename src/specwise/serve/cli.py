@@ -11,13 +11,13 @@ import threading
 import time
 from pathlib import Path
 
-from specwise.api import engine_for, spec_and_config
 from specwise.drafters import METHODS
+from specwise.drafters.building import engine_for, spec_and_config
 from specwise.drafters.spec import parse_option_value
 from specwise.errors import ConfigError
 from specwise.targets.aliases import KNOWN_TARGETS
 from specwise.targets.engine_choice import ENGINE_HELP, ENGINES
-from specwise.targets.hf import load_target
+from specwise.targets.loading import load_target
 from specwise.targets.native.weights import WEIGHTS, WEIGHTS_HELP
 
 try:  # the [serve] extra; without it every other command still works

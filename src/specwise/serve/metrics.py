@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specwise.methods.suffix.drafter import indexed_tokens
+from specwise.drafters.base import held_text_tokens
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -52,7 +52,7 @@ class ServerMetrics:
     def watch_index(self, target) -> None:
         """Report the tokens ``target``'s suffix indexes hold (earlier requests' text, every tenant)
         at each scrape."""
-        self.suffix_index_tokens.set_function(lambda: indexed_tokens(target))
+        self.suffix_index_tokens.set_function(lambda: held_text_tokens(target))
 
     def watch_pool(self, target) -> None:
         """Report ``target``'s KV pool (its ``capacity``) and prefix store (``kept_tokens``,

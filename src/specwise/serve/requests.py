@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
-from specwise.api import compile_response_format, encode_prompt, tool_setup
-from specwise.drafters.base import METHODS
-from specwise.errors import SpecwiseError
+import torch
+
+from specwise.drafters.base import METHODS, Drafter
+from specwise.drafters.building import shared_drafter
+from specwise.engine.sampling import SamplingConfig
+from specwise.errors import PromptError, SpecwiseError
+from specwise.output import OutputRules, check_output
+from specwise.request import GenerationRequest, check_settings, finish_request, prompt_of
 from specwise.serve.protocol import ApiError
 from specwise.serve.worker import check_request_options
-from specwise.targets.tool_calls import ToolError, supports_tools
+from specwise.targets.tool_calls import ToolError
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class Limits:
         max_tokens_cap: the most new tokens a request may ask for (and the default for chat).
         max_prompt_tokens: the longest prompt accepted; ``None``: the target's context.
         max_messages: the most chat messages in one request.
+        draft_budget: how a generation run alone sizes its drafts (:data:`specwise.request.DRAFT_BUDGETS`).
     """
 
     model: str
@@ -39,6 +46,7 @@ class Limits:
     max_tokens_cap: int
     max_prompt_tokens: int | None
     max_messages: int
+    draft_budget: str = "measured"
 
 
 @dataclass(frozen=True)
@@ -47,17 +55,20 @@ class Prepared:
 
     Attributes:
         request_id: ``chatcmpl-...`` or ``cmpl-...``.
-        kwargs: keyword arguments of :func:`specwise.generate` (prompt ids or messages, sampling,
-            stop strings, prediction, ``max_new_tokens``).
-        method, options: the drafter.
-        prompt_tokens: the prompt's length in tokens (chat: as the template renders it).
+        request: the checked generation (:class:`specwise.request.GenerationRequest`): prompt ids,
+            sampling, stop strings, the compiled grammar and tools, the drafter, ``max_new_tokens``.
+        method, options: the method the request chose and its options.
     """
 
     request_id: str
-    kwargs: dict[str, Any]
+    request: GenerationRequest
     method: str
     options: dict[str, Any]
-    prompt_tokens: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length in tokens (chat: as the template renders it)."""
+        return self.request.prompt_tokens
 
 
 def check_request(body, chat: bool, limits: Limits) -> tuple[str, dict[str, Any]]:
@@ -93,22 +104,22 @@ def check_request(body, chat: bool, limits: Limits) -> tuple[str, dict[str, Any]
     return method, options
 
 
-def sampling_kwargs(body) -> dict[str, Any]:
-    """The request's sampling, stop strings and prediction as :func:`specwise.generate` takes them
-    (``top_p`` 0 keeps only the most likely token)."""
-    return dict(temperature=float(body.temperature), top_p=float(body.top_p) or 1.0,
-                top_k=1 if body.top_p == 0 else 0, seed=body.seed, stop=body.stop_strings,
-                prediction=body.prediction.text if body.prediction is not None else None)
+def sampling_of(body) -> SamplingConfig:
+    """The request's sampling settings (``top_p`` 0 keeps only the most likely token).
+
+    Raises:
+        ApiError: 400 for settings the sampler refuses.
+    """
+    try:
+        return SamplingConfig(float(body.temperature), 1 if body.top_p == 0 else 0, float(body.top_p) or 1.0)
+    except SpecwiseError as exc:
+        raise ApiError(400, str(exc)) from None
 
 
-def check_output_format(target, body, chat: bool) -> tuple[list[dict] | None, dict | None]:
+def check_output_format(target, body, chat: bool) -> OutputRules:
     """Check the request's tools and compile the grammar its output takes (its ``response_format``,
-    or the calls' grammar of a required or named ``tool_choice``; kept on the target for the
-    generation to reuse), before anything runs. Slow the first time (the grammar engine reads the
-    tokenizer): run it off the event loop.
-
-    Returns:
-        ``(tools the template renders or None, the response_format generated with)``.
+    or the calls' grammar of a required or named ``tool_choice``), once (:func:`specwise.output.check_output`).
+    Slow the first time (the grammar engine reads the tokenizer): run it off the event loop.
 
     Raises:
         ApiError: 400 naming ``tools``, ``tool_choice`` or ``response_format``: bad tools, a choice
@@ -117,36 +128,29 @@ def check_output_format(target, body, chat: bool) -> tuple[list[dict] | None, di
     """
     tools = body.tool_kwargs if chat else {}
     try:
-        render, _, response_format = tool_setup(tools.get("tools"), tools.get("tool_choice"),
-                                                tools.get("parallel_tool_calls", True), body.response_format, True,
-                                                target)
+        return check_output(target, tools=tools.get("tools"), tool_choice=tools.get("tool_choice"),
+                            parallel_tool_calls=tools.get("parallel_tool_calls", True),
+                            response_format=body.response_format, chat=True)
     except ToolError as exc:
-        param = "tool_choice" if str(exc).startswith("tool_choice") else "tools"
-        raise ApiError(400, str(exc), param) from None
-    if render and not supports_tools(target.tokenizer):
-        raise ApiError(400, f"the chat template of {target.name} does not write tool calls as <tool_call> blocks "
-                            "(as Qwen2.5's does), so this model cannot take tools.", "tools")
-    try:
-        compile_response_format(target, response_format)
+        raise ApiError(400, str(exc), "tool_choice" if str(exc).startswith("tool_choice") else "tools") from None
+    except PromptError as exc:  # tools for a template that cannot render them
+        raise ApiError(400, str(exc).replace("this target", "this model"), "tools") from None
     except SpecwiseError as exc:
         raise ApiError(400, str(exc), "response_format" if body.response_format is not None else "tools") from None
-    return render, response_format
 
 
-def tokenize(target, body, chat: bool, tools: list[dict] | None = None) -> tuple[dict[str, Any], int]:
-    """The prompt as :func:`specwise.generate` takes it (``prompt`` ids, or ``messages`` and the
-    ``tools`` the template renders) and its length in tokens. Slow (a tokenizer, a chat template):
-    run it off the event loop.
+def tokenize(target, body, chat: bool, tools: list[dict] | None = None) -> tuple[torch.Tensor, frozenset[int] | None]:
+    """The prompt's token ids (a chat: through the template, ``tools`` rendered) and the tokens
+    that end it (:func:`specwise.request.prompt_of`). Slow (a tokenizer, a chat template): run it
+    off the event loop.
 
     Raises:
         ApiError: 400 for a prompt or messages the target refuses (no chat template included).
     """
     try:
         if chat:
-            messages = [m.as_chat() for m in body.messages]
-            return {"messages": messages, **body.tool_kwargs}, int(target.encode_chat(messages, tools).numel())
-        ids = encode_prompt(target, body.prompt)
-        return {"prompt": ids}, int(ids.numel())
+            return prompt_of(target, messages=[m.as_chat() for m in body.messages], tools=tools)
+        return prompt_of(target, body.prompt)
     except SpecwiseError as exc:
         message = str(exc)
         if chat and "chat template" in message:  # one sentence, with where to go instead
@@ -177,8 +181,11 @@ def token_budget(body, chat: bool, prompt_tokens: int, context: int, limits: Lim
     return asked if asked is not None else min(limits.max_tokens_cap, room)
 
 
-def prepare(target, body, chat: bool, limits: Limits, tenant: str = "") -> Prepared:
-    """Check ``body`` once, tokenize it and build its generation (tokenizes: call it off the event loop).
+def prepare(target, body, chat: bool, limits: Limits, tenant: str = "",
+            drafter_for: Callable[[str, dict[str, Any]], Drafter] | None = None) -> Prepared:
+    """Check ``body`` once, tokenize it and build its generation (tokenizes: call it off the event
+    loop). Every check of the generation itself is :mod:`specwise.request`'s, run once; this adds
+    the server's limits and the HTTP status and field of each refusal.
 
     Args:
         target: the served :class:`specwise.targets.hf.Target`.
@@ -189,6 +196,8 @@ def prepare(target, body, chat: bool, limits: Limits, tenant: str = "") -> Prepa
         tenant: whose request it is (the API key's, :func:`specwise.serve.app.tenant_of`; ``""``
             without keys): a method that drafts from earlier requests' text draws only on this
             tenant's (its ``scope`` option).
+        drafter_for: the drafter for a method and options (the worker's, built at start); default
+            the target's kept drafter (:func:`specwise.drafters.building.shared_drafter`).
 
     Raises:
         ApiError: the status and field the client is told.
@@ -196,10 +205,22 @@ def prepare(target, body, chat: bool, limits: Limits, tenant: str = "") -> Prepa
     method, options = check_request(body, chat, limits)
     if tenant and "scope" in METHODS.get(method).option_names:  # no tenant: the default scope, options unchanged
         options["scope"] = tenant
-    tools, _ = check_output_format(target, body, chat)
-    prompt, prompt_tokens = tokenize(target, body, chat, tools)
-    kwargs = {**sampling_kwargs(body), **prompt, "response_format": body.response_format,
-              "logprobs": body.logprob_count,
-              "max_new_tokens": token_budget(body, chat, prompt_tokens, target.max_context, limits)}
+    sampling = sampling_of(body)
+    output = check_output_format(target, body, chat)
+    prompt_ids, eos = tokenize(target, body, chat, output.tools)
+    max_new_tokens = token_budget(body, chat, int(prompt_ids.numel()), target.max_context, limits)
+    try:
+        settings = check_settings(seed=body.seed, stop=body.stop_strings, include_stop=False,
+                                  draft_budget=limits.draft_budget)
+        drafter = (drafter_for or partial(_kept_drafter, target))(method, options)
+        request = finish_request(target, prompt_ids, eos, drafter, sampling, output, settings, body.logprob_count,
+                                 body.prediction.text if body.prediction is not None else None, ignore_eos=False,
+                                 max_new_tokens=max_new_tokens)
+    except SpecwiseError as exc:
+        raise ApiError(400, str(exc)) from None
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    return Prepared(request_id, kwargs, method, options, prompt_tokens)
+    return Prepared(request_id, request, method, options)
+
+
+def _kept_drafter(target, method: str, options: dict[str, Any]) -> Drafter:
+    return shared_drafter(target, method, **options)

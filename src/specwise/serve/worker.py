@@ -28,14 +28,16 @@ import typing
 from collections import deque
 from typing import Any
 
-from specwise.api import build_drafter, generate, grammar_compiler, shared_drafter
 from specwise.drafters import METHODS
+from specwise.drafters.building import build_drafter, shared_drafter
 from specwise.engine.capacity import footprint
 from specwise.engine.grammar import GrammarError
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.types import StepTokens
 from specwise.errors import CapacityError, EngineError, SpecwiseError
 from specwise.many import batch_load, batches_generations
+from specwise.output import grammar_compiler
+from specwise.request import GenerationRequest, run_request
 from specwise.serve.origins import TokenSpans
 from specwise.serve.protocol import ApiError
 from specwise.targets.measured import verify_costs
@@ -122,8 +124,7 @@ class Job:
 
     Attributes:
         id: the request id (``chatcmpl-...`` / ``cmpl-...``).
-        kwargs: keyword arguments of :func:`specwise.generate` (prompt or messages, sampling, stop, ...).
-        method, options: the drafter.
+        request: the checked generation (:class:`specwise.request.GenerationRequest`), run unchanged.
         deadline: ``time.monotonic()`` after which the job is stopped.
         stream: whether the text is wanted piece by piece; otherwise it is gathered in ``pieces``
             on the worker's thread (no event per step for a client that reads only the end).
@@ -136,14 +137,11 @@ class Job:
     """
 
     id: str
-    kwargs: dict[str, Any]
-    method: str
-    options: dict[str, Any]
+    request: GenerationRequest
     deadline: float
     loop: asyncio.AbstractEventLoop
     stream: bool = True
     user: str | None = None  # OpenAI's end-user id, logged with the request
-    prompt_tokens: int = 0  # the prompt's length in tokens (admission by capacity counts it)
     seat: Any = None  # its reservation in the target's pool while it runs in a batch
     origins: bool = False
     pieces: list[str] = dataclasses.field(default_factory=list)
@@ -153,6 +151,11 @@ class Job:
     first_token: float | None = None
     tokens: int = 0
     submitted: float = dataclasses.field(default_factory=time.monotonic)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length in tokens (admission by capacity counts it)."""
+        return self.request.prompt_tokens
 
     def stop(self, reason: str) -> None:
         """Stop at the next step (the first reason given is kept)."""
@@ -196,18 +199,14 @@ class GenerationWorker:
             cells (``target.capacity``), each also reserves its worst case before it starts
             (:mod:`specwise.engine.capacity`): the first waiting job waits until the running ones
             leave room, and one that could not fit even alone is refused by :meth:`submit` (400).
-        draft_budget: how a job run alone sizes its drafts (``generate``'s ``draft_budget``); one in
-            the batch follows the batch's cost model.
     """
 
     def __init__(self, target, methods: list[str], max_queue: int, time_limit_s: float, metrics,
-                 built_options: dict[str, dict[str, Any]] | None = None, max_batch: int = 1,
-                 draft_budget: str = "measured") -> None:
+                 built_options: dict[str, dict[str, Any]] | None = None, max_batch: int = 1) -> None:
         self.target = target
         self.methods = list(methods)
         self.max_queue = max_queue
         self.time_limit_s = time_limit_s
-        self.draft_budget = draft_budget
         self.metrics = metrics
         self.built_options = built_options or {}
         self._jobs: deque[Job] = deque()
@@ -366,9 +365,8 @@ class GenerationWorker:
         or ``None`` where generations do not share one (one at a time, or no pool)."""
         if self._capacity is None:
             return None
-        drafter = self._drafters.get(job.method)
-        return footprint(job.prompt_tokens, job.kwargs.get("max_new_tokens", 1), self.target.max_context,
-                         bool(getattr(drafter, "side_forwards", False)))
+        return footprint(job.prompt_tokens, job.request.max_new_tokens, self.target.max_context,
+                         bool(getattr(job.request.drafter, "side_forwards", False)))
 
     def _set_gauges(self) -> None:
         self.metrics.queue_depth.set(len(self._jobs))
@@ -433,9 +431,7 @@ class GenerationWorker:
             (held if job.stream else job.pieces).append(piece)
 
         job.check()
-        return generate(self.target, drafter=self._drafter(job.method, job.options), streamer=on_tokens,
-                        text_streamer=on_text, include_stop=False, load=load, draft_budget=self.draft_budget,
-                        **job.kwargs)
+        return run_request(self.target, job.request, streamer=on_tokens, text_streamer=on_text, load=load)
 
     def _generate_in_batch(self, job: Job):
         """:meth:`_generate` inside the target's batch, with a seat in the load rule."""
@@ -446,9 +442,9 @@ class GenerationWorker:
         finally:
             share.leave()
 
-    def _drafter(self, method: str, options: dict[str, Any]):
+    def drafter(self, method: str, options: dict[str, Any]):
         """The drafter for ``method`` with ``options``: the one built at start, or the target's kept
-        drafter for this option set (:func:`specwise.api.shared_drafter`)."""
+        drafter for this option set (:func:`specwise.drafters.building.shared_drafter`)."""
         if not options:
             return self._drafters[method]
         return shared_drafter(self.target, method, **options)

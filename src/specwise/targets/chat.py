@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Sequence
+
+import torch
 
 from specwise.errors import PromptError
 from specwise.targets.tool_calls import ToolError, supports_tools, template_tool_calls
@@ -121,3 +124,41 @@ def end_of_turn_ids(tokenizer) -> frozenset[int]:
         int(i) for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(token, "special", False)}
     ids = tokenizer.encode(tail, add_special_tokens=False)[:4]  # the closing marker, a newline or two
     return frozenset(next(([token] for token in ids if token in special), []))
+
+
+class TextCodec:
+    """The text side every target shares: prompts and chat messages to token ids, ids back to text,
+    and the tokens that end an assistant's turn, all through the target's Hugging Face tokenizer.
+
+    A base class, not a component of its own: a target that inherits it provides ``tokenizer`` (a
+    ``PreTrainedTokenizerBase``), ``name`` (for messages) and ``device`` (a ``torch.device`` the
+    ids are put on). It keeps nothing per generation; the one thing it caches is
+    :attr:`end_of_turn_ids`, read from the chat template once per target.
+    """
+
+    def encode(self, text: str) -> torch.Tensor:
+        """A prompt's token ids, ``[T]`` long on :attr:`device`, with the model's special prefix
+        (e.g. BOS) as the tokenizer adds it."""
+        return self.tokenizer(text, return_tensors="pt").input_ids[0].to(self.device)
+
+    def encode_chat(self, messages, tools=None) -> torch.Tensor:
+        """Token ids of chat ``messages`` through the target's chat template, the assistant's turn
+        opened (:func:`chat_prompt_ids`). Returns ``[T]`` long on :attr:`device`.
+
+        Raises:
+            PromptError: malformed messages, a target without a chat template, or ``tools`` (OpenAI's
+                tool definitions, rendered by the template) for a template that cannot take them.
+        """
+        ids = chat_prompt_ids(self.tokenizer, check_messages(messages), self.name, tools)
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    def decode(self, token_ids, special_tokens: bool = False) -> str:
+        """Token ids (a sequence of ints or a 1-D tensor) to text, special tokens skipped unless
+        ``special_tokens``."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=not special_tokens)
+
+    @cached_property
+    def end_of_turn_ids(self) -> frozenset[int]:
+        """Tokens that close an assistant turn in the chat template (:func:`end_of_turn_ids`; empty
+        without one): a chat generation ends at these as at ``eos_token_ids``."""
+        return end_of_turn_ids(self.tokenizer)

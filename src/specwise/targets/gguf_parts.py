@@ -29,7 +29,7 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer
 
 from specwise.errors import TargetLoadError
-from specwise.targets.loading import default_cache_dir
+from specwise.targets.files import default_cache_dir
 
 #: model types whose input embeddings are scaled by sqrt(hidden size), as HF's embedding module does
 _SCALED_EMBEDDINGS = ("gemma",)

@@ -9,27 +9,19 @@ It owns nothing but the model and tokenizer; KV caches are created per generatio
 from __future__ import annotations
 
 from functools import cached_property
-from pathlib import Path
 
 import torch
 
+from specwise.engine.kept import TargetKept
 from specwise.engine.target import AttentionLayout, TargetOutput
 from specwise.engine.tree import additive_attention_mask
 from specwise.errors import ConfigError
-from specwise.targets.chat import chat_prompt_ids, check_messages, end_of_turn_ids
-from specwise.targets.engine_choice import check_engine_name, faster_engine
-from specwise.targets.gguf_parts import tokenizer_of
+from specwise.targets.chat import TextCodec
 from specwise.targets.kv_cache import KVCache
-from specwise.targets.llamacpp import LlamaCppTarget
-from specwise.targets.llamacpp import available as llamacpp_available
-from specwise.targets.loading import default_cache_dir, gguf_file, load_model_and_tokenizer
-from specwise.targets.native.weights import check_weights, weights_of
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
-          "float64": torch.float64}
+from specwise.targets.native.weights import weights_of
 
 
-class Target:
+class Target(TextCodec):
     """A causal LM that verifies drafts.
 
     Attributes:
@@ -56,6 +48,7 @@ class Target:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         text_config = model.config.get_text_config()
         self.max_context = int(getattr(text_config, "max_position_embeddings", 0) or 1 << 30)
+        self.kept = TargetKept()
 
     @property
     def device(self) -> torch.device:
@@ -126,32 +119,6 @@ class Target:
         """An empty KV cache for one generation (``within``, a running generation's cache, changes
         nothing here: every cache has its own tensors)."""
         return KVCache()
-
-    def encode(self, text: str) -> torch.Tensor:
-        """Tokenize a prompt (with the model's special prefix, e.g. BOS). Returns ``[T]`` long."""
-        ids = self.tokenizer(text, return_tensors="pt").input_ids[0]
-        return ids.to(self.device)
-
-    @cached_property
-    def end_of_turn_ids(self) -> frozenset[int]:
-        """Tokens that close an assistant turn in the chat template (empty without one); a chat
-        generation ends at these as at :attr:`eos_token_ids`."""
-        return end_of_turn_ids(self.tokenizer)
-
-    def encode_chat(self, messages, tools=None) -> torch.Tensor:
-        """Token ids of chat ``messages`` through the target's chat template, the assistant's turn
-        opened (:func:`specwise.targets.chat.chat_prompt_ids`). Returns ``[T]`` long.
-
-        Raises:
-            PromptError: malformed messages, a target without a chat template, or ``tools`` (OpenAI's
-                tool definitions, rendered by the template) for a template that cannot take them.
-        """
-        ids = chat_prompt_ids(self.tokenizer, check_messages(messages), self.name, tools)
-        return torch.tensor(ids, dtype=torch.long, device=self.device)
-
-    def decode(self, token_ids, special_tokens: bool = False) -> str:
-        """Decode token ids to text, special tokens skipped unless ``special_tokens``."""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=not special_tokens)
 
     @torch.inference_mode()
     def forward(
@@ -240,108 +207,3 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
             continue
         ids.update(value if isinstance(value, (list, tuple)) else [value])
     return frozenset(int(i) for i in ids)
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16``.
-
-    Raises:
-        ConfigError: an unknown dtype name.
-    """
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}.")
-    return DTYPES[dtype]
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``None`` -> CUDA when available, else CPU.
-
-    Raises:
-        ConfigError: an unknown device, or CUDA asked for but not available.
-    """
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"unknown device {device!r}; use cpu or cuda.") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device {device!r} is not supported; use cpu or cuda.")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for, but no CUDA device is available.")
-    return device
-
-
-def load_target(
-    name_or_path: str | Path = "gemma-3-270m",
-    *,
-    dtype: str | torch.dtype = "bfloat16",
-    device: str | torch.device | None = None,
-    progress=None,
-    weights: str | None = None,
-    engine: str | None = "torch",
-):
-    """Load a target model: the alias ``gemma-3-270m``, a local HF model directory, or a ``.gguf`` file.
-
-    Args:
-        name_or_path: alias or path.
-        dtype: ``"bfloat16"`` (default), ``"float32"``, ``"float16"`` or ``"float64"``.
-        device: ``"cpu"``, ``"cuda"``, or ``None`` for CUDA when available.
-        progress: optional ``callable(str)`` told about slow steps (the first GGUF conversion).
-        weights: ``"native"`` (the GGUF's own precision on torch's packed CPU kernels),
-            ``"native-exact"``, ``"bf16"`` (dense), or ``None``: the faster on this machine, measured
-            on first load and recorded in the cache. Lossless speculation is relative to the target
-            as loaded, never to another precision.
-        engine: ``"torch"`` (the default: this module's :class:`Target`) or ``"llamacpp"``: a GGUF
-            alias or file on llama.cpp's own engine (:class:`specwise.targets.llamacpp.LlamaCppTarget`,
-            float32 logits on the CPU; ``dtype`` and ``weights`` do not apply: it runs the file's own
-            precision), or ``None`` (also ``"auto"``): for a GGUF target on the CPU with no weight
-            form asked for, the engine measured faster here (:mod:`specwise.targets.engine_choice`:
-            the first load times both and records the winner), else torch.
-
-    Returns:
-        a target implementing :class:`specwise.engine.target.DecodingTarget`.
-
-    Raises:
-        TargetLoadError: the name is unknown or the files cannot be loaded.
-        ConfigError: bad dtype, device, weights or engine, native weights where they cannot run, or
-            the llama.cpp engine for a target that is no GGUF file.
-    """
-    engine = check_engine_name(engine)
-    torch_dtype = resolve_dtype(dtype)
-    torch_device = resolve_device(device)
-    if engine is None:
-        gguf = gguf_file(str(name_or_path))
-        if gguf is None or torch_device.type != "cpu" or check_weights(weights) is not None or not llamacpp_available():
-            engine = "torch"
-        else:
-            def load(which: str):
-                return load_target(name_or_path, dtype=torch_dtype, device=torch_device, progress=progress,
-                                   weights=weights, engine=which)
-
-            engine, loaded = faster_engine(gguf, torch_dtype, default_cache_dir(), load, progress)
-            if loaded is not None:
-                return loaded
-    if engine == "llamacpp":
-        return load_llamacpp_target(str(name_or_path))
-    model, tokenizer, name = load_model_and_tokenizer(
-        str(name_or_path), dtype=torch_dtype, device=torch_device, progress=progress, weights=weights
-    )
-    return Target(model, tokenizer, name)
-
-
-def load_llamacpp_target(name_or_path: str, threads: int | None = None) -> LlamaCppTarget:
-    """A GGUF alias or file on llama.cpp's engine, with the file's own tokenizer (``threads``:
-    compute threads, default torch's).
-
-    Raises:
-        ConfigError: the target is a Hugging Face directory, not a GGUF file.
-        TargetLoadError: an unknown name, llama-cpp-python missing, or the file does not load.
-    """
-    path = gguf_file(name_or_path)
-    if path is None:
-        raise ConfigError(f"the llama.cpp engine runs GGUF files; {name_or_path} is a Hugging Face directory "
-                          "(use engine='torch').")
-    return LlamaCppTarget(path, tokenizer_of(path), name_or_path, threads=threads)

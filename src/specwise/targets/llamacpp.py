@@ -15,19 +15,11 @@
   only, nothing decoded again.
 - Gemma-3's sliding-window layers keep every cell (``swa_full``), so a rollback past the window
   still finds its keys.
-- llama-cpp-python built with ggml's runtime CPU-variant dispatch (``GGML_BACKEND_DL`` with
-  ``GGML_CPU_ALL_VARIANTS``, how the project's Makefile builds it) loads no CPU backend by itself;
-  :func:`load_backends` loads the best variant for this CPU, so one wheel runs on every machine.
-- On a CPU with AMX, :func:`load_backends` loads an AVX-512 variant without AMX kernels, and weight
-  repacking (``use_extra_bufts``) stays on: llama.cpp's AMX matmul crashed the process on decoding
-  repacked weights (docs/llamacpp.md). Where ggml's AMX kernels run (a backend linked in on such a
-  CPU) repacking is off.
-
-- Hidden states come from llama.cpp's graph evaluation callback (``cb_eval``): asked for a
-  decode's taps, it names the graph tensors wanted (HF ``hidden_states[i]`` is ggml's
-  ``l_out-(i-1)``, the final normed state is ``result_norm``) and copies them out as the graph
-  reaches them; with no taps wanted it declines every tensor, so the graph runs unsplit. ggml
-  computes the final layer only for the rows logits were asked for, so the final hidden state
+- Loading llama.cpp's CPU backend for this CPU, and the choices that follow from it (weight
+  repacking, the drafters' dtype): :mod:`specwise.targets.llamacpp_backend`. A generation's cache
+  (its range of sequence ids): :mod:`specwise.targets.llamacpp_cache`.
+- Hidden states come from llama.cpp's graph evaluation callback (:mod:`specwise.targets.llamacpp_taps`).
+  ggml computes the final layer only for the rows logits were asked for, so the final hidden state
   exists for those rows only; the other rows are NaN (verification asks for every row it keeps,
   and a drafter that needs the final state at every position is refused,
   :attr:`LlamaCppTarget.final_hidden_rows_only`). Index 0, the input embeddings, is computed from
@@ -38,9 +30,7 @@
 
 from __future__ import annotations
 
-import ctypes
 import queue
-import re
 import threading
 import weakref
 from contextlib import contextmanager
@@ -53,23 +43,16 @@ import numpy as np
 import torch
 
 from specwise.engine.capacity import Capacity
-from specwise.engine.clock import cpu_flags
+from specwise.engine.kept import TargetKept
 from specwise.engine.target import AttentionLayout, TargetOutput
 from specwise.errors import CapacityError, ConfigError, EngineError, TargetLoadError
 from specwise.targets.batching import DecodeBatcher, EngineThread
-from specwise.targets.chat import chat_prompt_ids, check_messages, end_of_turn_ids
+from specwise.targets.chat import TextCodec
 from specwise.targets.gguf_parts import GGUFParts
+from specwise.targets.llamacpp_backend import drafter_dtype, lc, load_backends, loaded_cpu_variant, repack_by_default
+from specwise.targets.llamacpp_cache import SEQUENCES_PER_GENERATION, LlamaCppCache
+from specwise.targets.llamacpp_taps import Taps
 
-try:  # the [llamacpp] extra
-    import llama_cpp as lc
-except ImportError:  # pragma: no cover - exercised where the extra is missing
-    lc = None
-
-#: llama.cpp's log callback that drops every message (its load logs would flood the console)
-_SILENT = lc.llama_log_callback(lambda level, text, data: None) if lc is not None else None
-
-#: sequence ids one generation may use: its committed sequence and one per sink of a tree
-SEQUENCES_PER_GENERATION = 32
 #: generations one context serves at once (each with its own range of sequence ids)
 GENERATIONS = 8  # x SEQUENCES_PER_GENERATION = 256, the most sequences a llama.cpp context takes
 #: tokens one ``llama_decode`` takes (a longer prompt is decoded in chunks)
@@ -82,213 +65,7 @@ PREFILL_CHUNK = 128
 FINAL_NORM = b"result_norm"
 
 
-def available() -> bool:
-    """Whether llama-cpp-python is installed."""
-    return lc is not None
-
-
-#: ggml's CPU variants with AMX kernels (where repacked weights crashed its AMX matmul)
-_AMX_VARIANTS = frozenset({"sapphirerapids"})
-#: on a CPU with AMX, the variants to load instead, best first: AVX-512 without AMX kernels, so
-#: weight repacking (ggml's fastest CPU layout) can stay on, as it does for the peer built without them
-_WITHOUT_AMX = ("zen4", "cooperlake", "icelake", "cascadelake", "cannonlake", "skylakex", "haswell")
-
-
-def loaded_cpu_variant(maps: str | None = None) -> str | None:
-    """Which of ggml's CPU variant libraries this process loaded (``libggml-cpu-<variant>.so`` in
-    ``/proc/self/maps``), or ``None`` for a build with its CPU backend linked in."""
-    if maps is None:
-        try:
-            maps = Path("/proc/self/maps").read_text()
-        except OSError:
-            return None
-    found = re.search(r"libggml-cpu-([A-Za-z0-9_]+)\.so", maps)
-    return found.group(1) if found else None
-
-
-def repack_by_default(flags: frozenset[str] | None = None, variant: str | None = None) -> bool:
-    """Whether weight repacking is safe to turn on: everywhere but on a CPU with AMX (``amx_tile``)
-    running ggml's AMX kernels (an AMX variant, or a backend linked in whose kernels are unknown),
-    where llama.cpp's AMX matmul crashed on decoding repacked weights."""
-    flags = cpu_flags() if flags is None else flags
-    if not any(flag.startswith("amx") for flag in flags):
-        return True
-    return variant is not None and variant not in _AMX_VARIANTS
-
-
-def drafter_dtype(flags: frozenset[str] | None = None) -> torch.dtype:
-    """The dtype drafters compute in beside a llama.cpp target: bfloat16 where the CPU multiplies
-    bf16 natively (AMX or AVX-512 BF16: oneDNN's bf16 matmuls there cost a fraction of float32's),
-    else float32. Drafts are proposals, so their precision never changes the output's distribution
-    (greedy: which drafts are verified together, so where a batched kernel's near-tie falls)."""
-    flags = cpu_flags() if flags is None else flags
-    return torch.bfloat16 if {"amx_bf16", "avx512_bf16"} & flags else torch.float32
-
-
-def load_backends() -> None:
-    """Load llama.cpp's CPU backend where the build loads backends dynamically: the variant that
-    suits this CPU best, from the directory the wheel installed them in. A no-op where a backend is
-    already registered (a build with the backend linked in, or a second call).
-
-    Raises:
-        TargetLoadError: llama-cpp-python is missing, or no backend could be loaded.
-    """
-    if lc is None:
-        raise TargetLoadError("the llama.cpp engine needs llama-cpp-python: pip install 'specwise[llamacpp]'.")
-    lc.llama_log_set(_SILENT, None)
-    package = Path(lc.__file__).resolve().parent
-    libggml = next((p for p in (package / "lib" / "libggml.so.0", package / "lib" / "libggml.so") if p.exists()), None)
-    if libggml is None:
-        return  # a build without the dynamic loader: its backends are linked in
-    ggml = ctypes.CDLL(str(libggml))
-    ggml.ggml_backend_reg_count.restype = ctypes.c_size_t
-    if ggml.ggml_backend_reg_count() > 0:
-        return
-    ggml.ggml_backend_load.argtypes = [ctypes.c_char_p]
-    ggml.ggml_backend_load.restype = ctypes.c_void_p
-    amx = any(flag.startswith("amx") for flag in cpu_flags())
-    for where in (package.parent / "bin", package / "bin", package / "lib"):
-        if any(where.glob("libggml-cpu*.so")):
-            # ggml would pick its AMX variant on such a CPU; one without AMX keeps repacking safe
-            for variant in _WITHOUT_AMX if amx else ():
-                library = where / f"libggml-cpu-{variant}.so"
-                if library.exists() and ggml.ggml_backend_load(str(library).encode()):
-                    return  # a variant this CPU cannot run is refused by its own score check
-            ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
-            ggml.ggml_backend_load_all_from_path(str(where).encode())
-            break
-    if ggml.ggml_backend_reg_count() == 0:
-        raise TargetLoadError(f"llama.cpp found no CPU backend to load (looked next to {package}).")
-
-
-def _ggml_base():
-    """ggml's base library with the three functions the taps call, typed."""
-    package = Path(lc.__file__).resolve().parent
-    path = next((p for p in (package / "lib" / "libggml-base.so.0", package / "lib" / "libggml-base.so")
-                 if p.exists()), None)
-    if path is None:
-        raise TargetLoadError(f"llama-cpp-python has no ggml-base library next to {package}: no hidden states.")
-    base = ctypes.CDLL(str(path))
-    base.ggml_get_name.restype = ctypes.c_char_p
-    base.ggml_get_name.argtypes = [ctypes.c_void_p]
-    base.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    return base
-
-
-#: byte offsets in ``struct ggml_tensor``: ``enum ggml_type type`` at 0, ``int64_t ne[4]`` at 16
-_TYPE_OFFSET, _NE_OFFSET, _GGML_F32 = 0, 16, 0
-
-
-class Taps:
-    """The context's graph evaluation callback: copies the tensors one decode asks for.
-
-    Attributes:
-        wanted: ggml tensor name -> HF hidden-state index, for the decode under way (empty: none).
-        got: HF index -> the ``[rows, H]`` float32 arrays copied, in graph order.
-    """
-
-    def __init__(self) -> None:
-        self.wanted: dict[bytes, int] = {}
-        self.got: dict[int, list[np.ndarray]] = {}
-        self._base = None
-        self.error: BaseException | None = None  # what the callback raised during the decode under way
-        self.callback = lc.ggml_backend_sched_eval_callback(self._call)
-
-    def ask(self, wanted: dict[bytes, int]) -> None:
-        """Ask the next decodes for ``wanted`` (``{}``: none), dropping what was copied and any error."""
-        if wanted and self._base is None:
-            self._base = _ggml_base()
-        self.wanted = wanted
-        self.got = {layer: [] for layer in wanted.values()}
-        self.error = None
-
-    def _call(self, tensor, ask, user_data) -> bool:
-        if not self.wanted:
-            return False  # nothing wanted: no tensor is kept, so the graph is not split
-        # an exception cannot cross ggml's C frames (ctypes would print and drop it): it is kept for
-        # the decode to raise, and returning False stops the graph's computation
-        try:
-            return self._copy(tensor, ask)
-        except Exception as exc:  # noqa: BLE001 - re-raised by the decode that asked
-            self.error = exc
-            return False
-
-    def _copy(self, tensor, ask) -> bool:
-        layer = self.wanted.get(self._base.ggml_get_name(tensor))
-        if layer is None:
-            return False
-        if ask:
-            return True
-        if ctypes.c_int.from_address(tensor + _TYPE_OFFSET).value != _GGML_F32:
-            raise RuntimeError("a tapped hidden state is not float32")  # ggml's activations are; cannot happen
-        ne = (ctypes.c_int64 * 4).from_address(tensor + _NE_OFFSET)
-        out = np.empty((ne[1], ne[0]), dtype=np.float32)
-        self._base.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
-        self.got[layer].append(out)
-        return True  # go on computing
-
-
-class LlamaCppCache:
-    """One generation's cache on a :class:`LlamaCppTarget`: a range of sequence ids of its context.
-
-    Its range goes back to the target by :meth:`release` (the loop calls it when the generation
-    ends) or, failing that, when the cache is collected; either way only through the target's
-    release queue, which never takes a lock (a finalizer may run on a thread holding the target's
-    lock, inside a decode).
-
-    Attributes:
-        base: the sequence id holding the committed tokens; ``base + 1 ..`` are branch sequences.
-        length: positions held (the committed tokens before the root).
-    """
-
-    def __init__(self, target: "LlamaCppTarget", slot: int, base: int | None = None) -> None:
-        self.target, self.slot = target, slot
-        self.base = slot * SEQUENCES_PER_GENERATION if base is None else base
-        self.length = 0
-        self._branches: list[list[int]] | None = None  # per token of the last tree forward, its sequence ids
-        self._start = 0
-        self._tree_tokens: list[int] = []
-        if base is None:
-            # the token at each position of the committed sequence (one list, changed in place: the
-            # target keeps it when the cache is released, for the next prompts that share a prefix)
-            self.tokens: list[int] = target._live.setdefault(slot, [])
-            self._finalizer = weakref.finalize(self, target._released.put, (slot, None))
-        else:  # a side cache on one sequence of a running generation's range (:meth:`LlamaCppTarget.new_cache`)
-            self.tokens = []
-            self._finalizer = weakref.finalize(self, target._released.put, (slot, base))
-
-    def release(self) -> None:
-        """Give the cache's sequences back (at the target's next decode or cache request); idempotent."""
-        self._finalizer()
-
-    def rollback(self, length: int) -> None:
-        """Keep the first ``length`` positions of the committed sequence."""
-        with self.target.lock:  # the tokens change with the sequence: another prompt may be reading them
-            if length < self.length:
-                lc.llama_memory_seq_rm(self.target.memory, self.base, length, -1)
-            self.length = min(self.length, length)
-            del self.tokens[self.length:]
-
-    def commit_path(self, start: int, nodes: list[int]) -> None:
-        """Keep the last tree forward's tokens ``nodes`` (its root first) as positions ``start ..``:
-        the path is copied into the committed sequence and every branch sequence dropped."""
-        assert self._branches is not None and start == self._start, "commit_path follows a tree forward"
-        last = nodes[-1]
-        keep = self._branches[last][0]  # a sink's sequence through the whole path
-        end = start + len(nodes)
-        with self.target.lock:
-            memory = self.target.memory
-            lc.llama_memory_seq_rm(memory, keep, end, -1)  # the nodes below the path on that branch
-            lc.llama_memory_seq_cp(memory, keep, self.base, start, end)
-            used = {s for seqs in self._branches for s in seqs}
-            for seq in used:
-                lc.llama_memory_seq_rm(memory, seq, -1, -1)
-            self.tokens[start:] = [self._tree_tokens[i] for i in nodes]
-        self.length = end
-        self._branches = None
-
-
-class LlamaCppTarget:
+class LlamaCppTarget(TextCodec):
     """A GGUF file run by llama.cpp (see the module docstring).
 
     Args:
@@ -322,6 +99,7 @@ class LlamaCppTarget:
         load_backends()
         self._dtype = drafter_dtype() if dtype is None else dtype
         self.path, self.tokenizer, self.name = Path(path), tokenizer, name
+        self.kept = TargetKept()
         self.repack = repack_by_default(variant=loaded_cpu_variant()) if repack is None else repack
         model_params = lc.llama_model_default_params()
         model_params.n_gpu_layers = 0
@@ -719,26 +497,6 @@ class LlamaCppTarget:
                 batch.seq_id[i][j] = seq
             batch.logits[i] = flag
         batch.n_tokens = len(tokens)
-
-    def encode(self, text: str) -> torch.Tensor:
-        """A prompt's ids ``[T]`` long (with the model's special prefix, e.g. BOS)."""
-        return self.tokenizer(text, return_tensors="pt").input_ids[0]
-
-    @property
-    def end_of_turn_ids(self) -> frozenset[int]:
-        return end_of_turn_ids(self.tokenizer)
-
-    def encode_chat(self, messages, tools=None) -> torch.Tensor:
-        """Chat messages through the target's template, the assistant's turn opened.
-
-        Raises:
-            PromptError: malformed messages, a target without a chat template, or ``tools`` (OpenAI's
-                tool definitions, rendered by the template) for a template that cannot take them.
-        """
-        return torch.tensor(chat_prompt_ids(self.tokenizer, check_messages(messages), self.name, tools), dtype=torch.long)
-
-    def decode(self, token_ids, special_tokens: bool = False) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=not special_tokens)
 
 
 @dataclass(frozen=True)

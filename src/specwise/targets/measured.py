@@ -13,7 +13,7 @@ import torch
 from specwise.engine.clock import machine_key
 from specwise.engine.cost_model import VerifyCostTable
 from specwise.engine.timing import verify_cost_table
-from specwise.targets.loading import default_cache_dir
+from specwise.targets.files import default_cache_dir
 
 
 def model_source(target) -> str:

@@ -9,13 +9,12 @@ import sys
 from pathlib import Path
 
 from specwise.drafters.checkpoint import read_config, shipped_drafter
-from specwise.drafters.export import export_drafter, resolve_export
+from specwise.drafters.export import export_drafter, load_network, resolve_export
 from specwise.errors import ConfigError, DrafterError
 from specwise.interop.formats import prepare_out
-from specwise.methods.draft.drafter import load_draft_lm
 from specwise.models.export import export_hf
 from specwise.prompts import load_prompts
-from specwise.targets.hf import load_target, resolve_dtype
+from specwise.targets.loading import load_target, resolve_dtype
 from specwise.targets.native.weights import WEIGHTS, WEIGHTS_HELP
 from specwise.training.corpus import SHARD_GLOB, CorpusConfig, build_corpus
 from specwise.training.options import format_value, make_options, parse_value
@@ -255,6 +254,6 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     path = args.drafter or shipped_drafter(target, "draft")
     if path is None:
         raise DrafterError(f"no draft LM ships for {target.name}; give its directory.")
-    out = export_hf(load_draft_lm(path, target), target, args.out, resolve_dtype(args.dtype))
+    out = export_hf(load_network("draft", path, target), target, args.out, resolve_dtype(args.dtype))
     _say(f"wrote a Hugging Face model to {out}")
     return 0

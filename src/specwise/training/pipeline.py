@@ -28,7 +28,7 @@ from specwise.drafters.checkpoint import (
     target_fingerprint,
 )
 from specwise.errors import DrafterError
-from specwise.methods.eagle.network import default_feature_layers
+from specwise.models.common import default_feature_layers
 from specwise.training.distributed import is_main_process, main_process_first, rank0_decides
 from specwise.training.features import (
     FeatureConfig,

@@ -28,7 +28,7 @@ from specwise.errors import ConfigError
 from specwise.lab.analysis.overlay import load_results, measured_points, mismatch_notes, predict, prediction_table
 from specwise.lab.analysis.plots import plot_speedup_vs_alpha, plot_speedup_vs_k, plot_verify_cost
 from specwise.targets.engine_choice import ENGINES
-from specwise.targets.hf import load_target
+from specwise.targets.loading import load_target
 from specwise.targets.native.weights import WEIGHTS, WEIGHTS_HELP
 
 OPTIMAL_K_ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)

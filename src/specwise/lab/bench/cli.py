@@ -21,8 +21,8 @@ from specwise.lab.bench.runner import run_benchmark
 from specwise.lab.bench.sweep import Sweep
 from specwise.prompts import default_prompt_records, is_held_out, load_prompts, take_per_category
 from specwise.targets.engine_choice import ENGINES
-from specwise.targets.hf import load_target
-from specwise.targets.loading import gguf_file
+from specwise.targets.files import gguf_file
+from specwise.targets.loading import load_target
 from specwise.targets.native.weights import WEIGHTS, WEIGHTS_HELP
 
 

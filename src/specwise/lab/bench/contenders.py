@@ -18,7 +18,7 @@ from specwise.lab.bench.llamacpp import LlamaServer
 from specwise.methods.draft.drafter import load_draft_lm
 from specwise.models.export import to_hf_model
 from specwise.targets.aliases import KNOWN_TARGETS
-from specwise.targets.loading import gguf_born, gguf_file, load_model_and_tokenizer
+from specwise.targets.files import gguf_born, gguf_file, load_model_and_tokenizer
 
 
 @dataclass

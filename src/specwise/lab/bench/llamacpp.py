@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from specwise.errors import ConfigError
-from specwise.targets.llamacpp import repack_by_default
+from specwise.targets.llamacpp_backend import repack_by_default
 
 FLAG_ALIASES = {"draft": "spec-draft-model", "draft-max": "spec-draft-n-max"}
 

@@ -59,7 +59,7 @@ from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError, DrafterError
 from specwise.methods.auto.calibration import calibrate
 from specwise.methods.auto.profile import MEMORY, AutoProfile, Estimate, calibrated, profile_path, regime
-from specwise.targets.loading import default_cache_dir
+from specwise.targets.files import default_cache_dir
 
 #: standard errors by which a method's measurement is read optimistically. The running method's
 #: segment must fall short of another's prediction by more than this before ``auto`` leaves it (a

@@ -37,10 +37,10 @@ from specwise.engine.sampling import prefix_token_masks, probs_from_scores, proc
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError, DrafterError
 from specwise.methods.draft.network import DraftLM, DraftLMConfig
-from specwise.targets.hf import load_llamacpp_target
+from specwise.targets.files import gguf_born, load_model_and_tokenizer
 from specwise.targets.kv_cache import KVCache
 from specwise.targets.llamacpp import LlamaCppTarget
-from specwise.targets.loading import gguf_born, load_model_and_tokenizer
+from specwise.targets.loading import load_llamacpp_target
 
 
 @dataclass(frozen=True)
@@ -303,6 +303,10 @@ class DraftModelState:
     cache: KVCache  # or a LlamaCppCache, for a draft model on llama.cpp
     root: int | None = None
     drafted: list[int] = field(default_factory=list)
+
+
+#: what ``specwise export`` and ``export-hf`` load a stored draft LM with (:func:`specwise.drafters.export.load_network`)
+load_network = load_draft_lm
 
 
 def _load_draft_model(path, target):

@@ -63,8 +63,8 @@ from specwise.interop.formats import (
     write_export,
 )
 from specwise.interop.vocab import from_d2t, to_tables
-from specwise.methods.eagle.network import EagleConfig, EagleHead, default_feature_layers
-from specwise.models.common import check_taps_and_vocabulary
+from specwise.methods.eagle.network import EagleConfig, EagleHead
+from specwise.models.common import check_taps_and_vocabulary, default_feature_layers
 
 EXPORT_FORMATS = ("speculators", "eagle3")
 #: specwise module -> the layer's key (under ``layers.0.`` or ``midlayer.``)

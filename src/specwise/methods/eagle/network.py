@@ -4,7 +4,7 @@ One small decoder layer that drafts from the target's own features:
 
 * **fused features**: the target's hidden states at a low, a middle and a high layer
   (``feature_layers``, HF ``hidden_states`` indexing, chosen from the target's depth by
-  :func:`default_feature_layers`) are each RMS-normalized, concatenated and projected to the
+  :func:`specwise.models.common.default_feature_layers`) are each RMS-normalized, concatenated and projected to the
   hidden size by ``fc``;
 * **input**: the attention block sees ``[norm(embed(next token)); norm(feature)]`` (2H wide), as
   in EAGLE-3: the token resolves which continuation the feature is about;
@@ -73,13 +73,6 @@ class EagleConfig(AttentionShape):
 # the field's EAGLE-3 layer (speculators / SpecForge / vLLM): raw taps into fc, a SiLU MLP, full
 # attention; `specwise train eagle --arch standard` trains it, `specwise export` writes it exactly
 STANDARD_ARCHITECTURE = {"tap_norms": False, "hidden_act": "silu", "window": None}
-
-
-def default_feature_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's taps for a target of ``num_layers`` decoder layers: ``(2, L // 2, L - 3)`` (HF
-    ``hidden_states`` indices, i.e. the inputs of those layers), de-duplicated for shallow targets."""
-    picks = [min(2, num_layers), num_layers // 2, max(num_layers - 3, 0)]
-    return tuple(sorted(set(picks)))
 
 
 class EagleHead(nn.Module):

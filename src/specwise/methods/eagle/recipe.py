@@ -30,11 +30,11 @@ from torch import nn
 
 from specwise.checks import check_int
 from specwise.errors import ConfigError
-from specwise.methods.draft.recipe import DraftRecipeConfig
 from specwise.methods.eagle.network import STANDARD_ARCHITECTURE, EagleConfig, EagleHead
 from specwise.training.options import default_of, option, redefault
 from specwise.training.pipeline import TrainingJob, TrainingPlan, train_and_save
 from specwise.training.recipes.base import register_recipe
+from specwise.training.recipes.distill import DraftRecipeConfig
 from specwise.training.recipes.tapped import TappedOptions, TappedRecipe, describe_data, tapped_features
 
 

@@ -28,7 +28,6 @@ from torch import nn
 
 from specwise.checks import check_int
 from specwise.errors import ConfigError
-from specwise.methods.draft.recipe import is_validation
 from specwise.methods.medusa.calibration import calibrate_tree
 from specwise.methods.medusa.network import MedusaConfig, MedusaHeads, final_hidden_layer
 from specwise.training.acceptance import ChainAcceptance, replay_depths
@@ -37,6 +36,7 @@ from specwise.training.losses import DistillLoss
 from specwise.training.options import LOSS_ON, TrainOptions, default_of, option, redefault
 from specwise.training.pipeline import TrainingJob, TrainingPlan, featurize, taps_features_dir, train_and_save
 from specwise.training.recipes.base import register_recipe
+from specwise.training.recipes.distill import is_validation
 from specwise.training.trainer import Recipe
 
 

@@ -18,9 +18,9 @@ copy, a short one only a little) and at most the step's budget in nodes, which t
 model (:mod:`specwise.engine.load`) sets from this generation's acceptance and the batch's load.
 
 Where no suffix of two tokens recurs, a greedy generation falls back on prompt lookup's one-token
-match in its own context (:func:`specwise.methods.prompt_lookup.find_continuation`), so ``suffix``
+match in its own context (:func:`specwise.drafters.ngram_lookup.find_continuation`), so ``suffix``
 drafts wherever ``pld`` would. The suffix lengths follow the sampling regime as ``pld``'s do
-(:func:`specwise.methods.prompt_lookup.ngram_sizes`): when sampling only a long match predicts the
+(:func:`specwise.drafters.ngram_lookup.ngram_sizes`): when sampling only a long match predicts the
 sampled text.
 
 The shared index is kept on the target (one per target, :func:`specwise.drafters.base.loaded_once`),
@@ -39,18 +39,10 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from specwise.drafters.base import (
-    Drafter,
-    MethodConfig,
-    check_flag,
-    check_int,
-    loaded_once,
-    loaded_resources,
-    register_drafter,
-)
+from specwise.drafters.base import Drafter, MethodConfig, check_flag, check_int, loaded_once, register_drafter
+from specwise.drafters.ngram_lookup import check_ngram_sizes, find_continuation, ngram_sizes
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError
-from specwise.methods.prompt_lookup import check_ngram_sizes, find_continuation, ngram_sizes
 from specwise.methods.suffix.index import Match, SharedSuffixIndex, SuffixIndex
 
 
@@ -112,12 +104,6 @@ class VotedTree(NamedTuple):
         """Drafts accepted in expectation if the continuations' frequencies were the target's: the
         sum of the path probabilities."""
         return sum(self.probabilities)
-
-
-def indexed_tokens(target) -> int:
-    """Tokens of earlier generations' text that the suffix indexes kept on ``target`` hold, over
-    every tenant (for ``/metrics``)."""
-    return sum(index.tokens() for key, index in loaded_resources(target).items() if key[0] == "suffix-index")
 
 
 def draft_tree(continuations: list[list[int]], max_nodes: int, max_depth: int,

@@ -197,3 +197,7 @@ class SharedSuffixIndex:
         with self._lock:
             indexes = self._scopes.values() if scope is None else [self._scopes.get(scope)]
             return sum(index.size for index in indexes if index is not None)
+
+    def held_tokens(self) -> int:
+        """Tokens of earlier requests' text held, every scope (:class:`specwise.drafters.base.HoldsText`)."""
+        return self.tokens()

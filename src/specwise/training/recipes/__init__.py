@@ -1,4 +1,4 @@
-"""The training recipes' registry and what recipes share (``base``, ``tapped``).
+"""The training recipes' registry and what recipes share (``base``, ``distill``, ``tapped``).
 
 Each trained method's recipe is the ``recipe`` module of its folder in :mod:`specwise.methods`: it
 defines its data and loss (a :class:`specwise.training.trainer.Recipe`), a frozen options dataclass,
@@ -8,7 +8,7 @@ lookup imports every method's recipe first.
 
 from __future__ import annotations
 
-from specwise.methods import import_methods
+from specwise.discovery import import_methods
 from specwise.training.recipes.base import RECIPES, RecipeSpec, register_recipe
 
 __all__ = ["RECIPES", "RecipeSpec", "get_recipe", "recipe_names", "register_recipe"]

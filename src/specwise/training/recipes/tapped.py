@@ -1,6 +1,7 @@
 """What the EAGLE and DFlash recipes share: both drafters read the target's hidden states at a few
 feature layers (low / middle / high by default), train on the draft-LM recipe's windows of the
-corpus, and are validated by replaying greedy chain decoding on held-out target-written text.
+corpus, and are validated by replaying greedy chain decoding on held-out target-written text
+(:mod:`specwise.training.recipes.distill`).
 
 :class:`TappedRecipe` is their data base class (its subclasses say how one held-out text is
 replayed), :class:`TappedOptions` their shared options, :func:`tapped_features` their features pass
@@ -16,10 +17,10 @@ import torch
 from torch import nn
 
 from specwise.checks import check_int
-from specwise.methods.draft.recipe import DraftLMRecipe, DraftRecipeConfig
 from specwise.training.acceptance import ChainAcceptance, replay_depths
 from specwise.training.options import TrainOptions, default_of, option
 from specwise.training.pipeline import Features, TrainingJob, feature_layers, featurize, taps_features_dir
+from specwise.training.recipes.distill import DraftLMRecipe, DraftRecipeConfig
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ order and re-synchronizes a few tokens after an edit.
 more path from the root (:func:`specwise.engine.tree.graft_chain`), verified in the same forward; one
 with auxiliary tokens (Lookahead's window) cannot be merged, so a step that has a copy verifies the
 copy alone. How many copied tokens are verified adapts as the context lookup's graft does
-(:class:`specwise.methods.lookup_graft.LookupGraft`). Every added node is a delta proposal tried
+(:class:`specwise.drafters.lookup_graft.LookupGraft`). Every added node is a delta proposal tried
 after the drawn ones, so the output stays exactly the target's, greedy or sampled.
 """
 
@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from specwise.drafters.base import Drafter, check_int
+from specwise.drafters.lookup_graft import LookupGraft, LookupGraftConfig
+from specwise.drafters.ngram_lookup import cut_after_eos
 from specwise.engine.token_ids import check_token_ids
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import PromptError
-from specwise.methods.lookup_graft import LookupGraft, LookupGraftConfig
-from specwise.methods.prompt_lookup import cut_after_eos
 
 #: the longest context suffix looked up in the prediction (longer ones pick the right occurrence
 #: among repeated lines; down to one token so a copy resumes right after an edit)

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from specwise.drafters.base import MethodConfig, check_int, check_probability_threshold
+from specwise.drafters.ngram_lookup import find_continuation
 from specwise.engine.types import DraftContext, Proposal, StepFeedback
 from specwise.errors import ConfigError
-from specwise.methods.prompt_lookup import find_continuation
 
 #: pseudo-counts (accepted lookup tokens, rejecting steps) added to the observed ones: a = 2/3 at first
 LOOKUP_PRIOR = (2.0, 1.0)
