@@ -406,6 +406,18 @@ def test_fingerprint_sees_the_tokenizer():
     assert target_fingerprint(a) != target_fingerprint(b)
 
 
+def test_the_fingerprint_is_hashed_once_per_target_and_tokenizer(monkeypatch):
+    from specwise.drafters import checkpoint
+
+    target, calls = make_target("llama"), []
+    real = checkpoint._fingerprint
+    monkeypatch.setattr(checkpoint, "_fingerprint", lambda t: calls.append(1) or real(t))
+    first = target_fingerprint(target)
+    assert target_fingerprint(target) == first and len(calls) == 1  # every drafter built for it asks
+    target.tokenizer.add_tokens(["zzz"])  # the vocabulary grew: hashed again
+    assert target_fingerprint(target) != first and len(calls) == 2
+
+
 # ---------------------------------------------------------------------------- the draft-LM route
 
 
