@@ -477,7 +477,7 @@ def _a_valid_value(annotation, default):
 
 @pytest.mark.parametrize("method", [spec.name for spec in specwise.METHODS.listed()])
 def test_every_numeric_option_is_settable_per_request_and_no_path(method):
-    from specwise.serve.worker import check_request_options, request_options
+    from specwise.serve.options import check_request_options, request_options
 
     config_cls = specwise.METHODS.get(method).config_cls
     hints = typing.get_type_hints(config_cls)
@@ -495,7 +495,7 @@ def test_every_numeric_option_is_settable_per_request_and_no_path(method):
 
 
 def test_options_whose_default_is_none_are_settable():
-    from specwise.serve.worker import check_request_options
+    from specwise.serve.options import check_request_options
 
     check_request_options("dflash", {"depth": 3})
     check_request_options("pld", {"max_ngram_size": 5, "min_ngram_size": 4})  # valid together, not alone

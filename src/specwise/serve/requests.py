@@ -21,8 +21,8 @@ from specwise.engine.sampling import SamplingConfig
 from specwise.errors import PromptError, SpecwiseError
 from specwise.output import OutputRules, check_output
 from specwise.request import GenerationRequest, check_settings, finish_request, prompt_of
+from specwise.serve.options import check_request_options
 from specwise.serve.protocol import ApiError
-from specwise.serve.worker import check_request_options
 from specwise.targets.tool_calls import ToolError
 
 

@@ -6,8 +6,9 @@ target's batch: every step is one forward over all of them, a finished one leave
 waiting one joins between steps (continuous batching), and the draft budgets follow the load rule
 (:mod:`specwise.engine.load`). On the torch engine a forward uses every core, so two generations
 at once would only slow each other down: the worker runs them one after the other. Either way a
-job runs off the event loop, through :func:`specwise.generate`
-(the server has no decoding path of its own). ``specwise serve`` runs the worker on the process's
+job runs off the event loop: its checked request (:class:`specwise.request.GenerationRequest`,
+built once by :func:`specwise.serve.requests.prepare`) through :func:`specwise.request.run_request`,
+as :func:`specwise.generate` runs one (the server has no decoding path of its own). ``specwise serve`` runs the worker on the process's
 main thread and the event loop on another: torch's CPU forwards measured markedly slower on any
 thread but the main one (docs/serve.md). Each job streams its text pieces back to the event
 loop as they are committed; a job whose client went away, or that ran past the time limit, is
@@ -23,12 +24,9 @@ import dataclasses
 import logging
 import threading
 import time
-import types
-import typing
 from collections import deque
 from typing import Any
 
-from specwise.drafters import METHODS
 from specwise.drafters.building import build_drafter, shared_drafter
 from specwise.engine.capacity import footprint
 from specwise.engine.grammar import GrammarError
@@ -43,68 +41,6 @@ from specwise.serve.protocol import ApiError
 from specwise.targets.measured import verify_costs
 
 log = logging.getLogger("specwise.serve")
-
-#: options no request may set whatever their type: the lossy acceptance rule
-LOSSY_OPTIONS = frozenset({"acceptance"})
-#: the largest integer option a request may set (a client must not make one step verify thousands of tokens)
-MAX_INT_OPTION = 64
-#: option types a request may set: numbers and flags (``None`` where the option allows it)
-_SETTABLE_TYPES = (int, float, bool)
-
-
-def settable_per_request(annotation) -> bool:
-    """Whether an option declared with type ``annotation`` may be set by a request: a number or a
-    flag (optionally ``None``), or one of a fixed set of values (``Literal[...]``); never free
-    text such as a path or a list of methods."""
-    if annotation in _SETTABLE_TYPES:
-        return True
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Literal:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        kept = [a for a in args if a is not type(None)]
-        return len(kept) == 1 and settable_per_request(kept[0])
-    return False
-
-
-def request_options(method: str) -> frozenset[str]:
-    """The options of ``method`` a request may set, read from the declared types of its config's
-    fields (:func:`settable_per_request`), less the lossy acceptance rule and the options only the
-    server sets (``SERVER_OPTIONS`` of the config).
-
-    Raises:
-        DrafterError: unknown method.
-    """
-    config_cls = METHODS.get(method).config_cls
-    hints = typing.get_type_hints(config_cls)
-    return frozenset(f.name for f in dataclasses.fields(config_cls)
-                     if f.name not in LOSSY_OPTIONS | config_cls.SERVER_OPTIONS and settable_per_request(hints[f.name]))
-
-
-def check_request_options(method: str, options: dict[str, Any]) -> None:
-    """Refuse request options outside the allowlist or out of range (the method's own bounds, and
-    integers at most :data:`MAX_INT_OPTION`).
-
-    Raises:
-        ApiError: 400 naming the option.
-    """
-    allowed = request_options(method)
-    for key, value in options.items():
-        param = f"speculative.options.{key}"
-        if key not in allowed:
-            listed = ", ".join(sorted(allowed)) or "none"
-            raise ApiError(400, f"option {key!r} cannot be set per request for method {method!r} "
-                                f"(allowed: {listed}).", param)
-        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_INT_OPTION:
-            raise ApiError(400, f"option {key!r} is {value}; this server allows at most {MAX_INT_OPTION}.", param)
-    try:
-        METHODS.get(method).make_config(**options)
-    except SpecwiseError as exc:
-        # the option the refusal names; several named (valid alone, not together): all of them
-        named = [key for key in options if key in str(exc)]
-        param = f"speculative.options.{named[0]}" if len(named) == 1 else "speculative.options"
-        raise ApiError(400, str(exc), param) from None
-
 
 class Stopped(Exception):
     """Raised inside a generation's streamer to end it; its text is the reason (a :class:`StopReason`)."""
