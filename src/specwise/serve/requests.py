@@ -154,7 +154,8 @@ def tokenize(target, body, chat: bool, tools: list[dict] | None = None) -> tuple
     except SpecwiseError as exc:
         message = str(exc)
         if chat and "chat template" in message:  # one sentence, with where to go instead
-            message = message.rstrip(".") + "; send a text prompt to /v1/completions instead."
+            message = message.removesuffix(".").removesuffix("; pass a text prompt")
+            message += "; send a text prompt to /v1/completions instead."
         raise ApiError(400, message, "messages" if chat else "prompt") from None
 
 
