@@ -163,9 +163,9 @@ def _fixed_draft_budgets(monkeypatch):
     drafter's whole proposal unless a test asks for ``draft_budget="measured"`` (the library's
     default, whose cost model would hold a tiny random model's drafters at no drafts at all):
     tests/engine/test_budgets.py checks the measured budgets themselves."""
-    from specwise import api
+    from specwise import request
 
-    monkeypatch.setitem(api.generate.__kwdefaults__, "draft_budget", "fixed")
+    monkeypatch.setitem(request.build_request.__kwdefaults__, "draft_budget", "fixed")
 
 
 

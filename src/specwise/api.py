@@ -8,11 +8,11 @@ are re-exported here.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+import inspect
+from typing import Any, Callable
 
 import torch
 
-from specwise.drafters import Drafter
 from specwise.drafters.building import build_drafter, engine_for, load_drafter, shared_drafter, spec_and_config
 from specwise.engine.load import LoadShare
 from specwise.engine.types import GenerationResult
@@ -27,29 +27,10 @@ def generate(
     target,
     prompt: str | list[int] | tuple[int, ...] | torch.Tensor | None = None,
     *,
-    messages: Sequence[dict[str, Any]] | None = None,
-    tools: Sequence[dict] | None = None,
-    tool_choice: str | dict | None = None,
-    parallel_tool_calls: bool = True,
-    method: str = "ar",
-    drafter: Drafter | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    repetition_penalty: float = 1.0,
-    seed: int | None = None,
-    stop: Sequence[str] = (),
     streamer: Callable[[list[int]], None] | None = None,
     text_streamer: Callable[[str], None] | None = None,
-    include_stop: bool = True,
-    prediction: str | Sequence[int] | None = None,
-    ignore_eos: bool = False,
-    response_format: Mapping[str, Any] | None = None,
-    logprobs: int | None = None,
     load: LoadShare | None = None,
-    draft_budget: str = "measured",
-    **method_options: Any,
+    **keywords: Any,
 ) -> GenerationResult:
     """Generate text with lossless speculative decoding.
 
@@ -138,10 +119,18 @@ def generate(
             (:class:`~specwise.targets.tool_calls.ToolError`).
         DrafterError: unknown method, a bad drafter, or a drafter built for another target.
     """
-    request = build_request(
-        target, prompt, messages=messages, tools=tools, tool_choice=tool_choice,
-        parallel_tool_calls=parallel_tool_calls, method=method, drafter=drafter, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
-        stop=stop, include_stop=include_stop, prediction=prediction, ignore_eos=ignore_eos,
-        response_format=response_format, logprobs=logprobs, draft_budget=draft_budget, **method_options)
+    request = build_request(target, prompt, **keywords)
     return run_request(target, request, streamer=streamer, text_streamer=text_streamer, load=load)
+
+
+def _front_door_signature() -> inspect.Signature:
+    """:func:`generate`'s full signature for ``help()`` and editors: :func:`build_request`'s
+    keywords (one list, kept there) with the run's own (``streamer``, ``text_streamer``, ``load``)."""
+    own = inspect.signature(generate).parameters
+    built = inspect.signature(build_request).parameters
+    run = [own[name] for name in ("streamer", "text_streamer", "load")]
+    params = [p for p in built.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    return inspect.Signature(params + run + [built["method_options"]], return_annotation=GenerationResult)
+
+
+generate.__signature__ = _front_door_signature()
