@@ -124,15 +124,15 @@ def _named(index: int, run: Callable[[], GenerationResult]) -> GenerationResult:
         raise type(exc)(f"prompt {index}: {exc}") from None
 
 
-def _run_batched(target, jobs: list[GenerationRequest], needs: list, width: int,
+def _run_batched(target, requests: list[GenerationRequest], needs: list, width: int,
                  run: dict[str, Any]) -> list[GenerationResult]:
     """The requests on ``width`` threads, each generation inside the target's batch with a seat in one
     load rule, once its worst case is reserved in the target's pool (it waits for room)."""
     load = batch_load(target)
-    results: list[GenerationResult | None] = [None] * len(jobs)
+    results: list[GenerationResult | None] = [None] * len(requests)
     errors: dict[int, BaseException] = {}
     todo: queue.SimpleQueue = queue.SimpleQueue()
-    for index in range(len(jobs)):
+    for index in range(len(requests)):
         todo.put(index)
 
     def work() -> None:
@@ -145,7 +145,7 @@ def _run_batched(target, jobs: list[GenerationRequest], needs: list, width: int,
             share = load.join()
             try:
                 with target.batch_member():
-                    results[index] = run_request(target, jobs[index], load=share, **run)
+                    results[index] = run_request(target, requests[index], load=share, **run)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
                 errors[index] = exc
             finally:
@@ -154,7 +154,7 @@ def _run_batched(target, jobs: list[GenerationRequest], needs: list, width: int,
                     seat.release()
 
     threads = [threading.Thread(target=work, name=f"specwise-batch-{i}", daemon=True)
-               for i in range(min(width, len(jobs)))]
+               for i in range(min(width, len(requests)))]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from specwise.engine.grammar import Grammar, GrammarCompiler, grammar_source
 from specwise.engine.types import GenerationResult
-from specwise.errors import PromptError
+from specwise.targets.chat import check_template_takes_tools
 from specwise.targets.tool_calls import (
     ToolError,
     call_grammar,
@@ -24,7 +24,6 @@ from specwise.targets.tool_calls import (
     check_tools,
     chosen_tool,
     parse_tool_calls,
-    supports_tools,
 )
 
 
@@ -66,9 +65,7 @@ def check_output(target, *, tools: Sequence[dict] | None = None, tool_choice: st
     """
     render, schemas, response_format = tool_setup(tools, tool_choice, parallel_tool_calls, response_format, chat,
                                                   target)
-    if render and not supports_tools(target.tokenizer):
-        raise PromptError(f"the chat template of {target.name} does not write tool calls as <tool_call> blocks "
-                          "(as Qwen2.5's does), so this target cannot take tools.")
+    check_template_takes_tools(target.tokenizer, target.name, render)
     return OutputRules(render, schemas, compile_response_format(target, response_format))
 
 

@@ -108,7 +108,6 @@ def build_request(
         as :func:`specwise.generate`.
     """
     sampling = SamplingConfig(temperature, top_k, top_p, repetition_penalty)
-    check_logprobs(logprobs)
     output = check_output(target, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
                           response_format=response_format, chat=messages is not None)
     settings = check_settings(seed=seed, stop=stop, include_stop=include_stop, ignore_eos=ignore_eos,
@@ -156,7 +155,9 @@ def finish_request(target, prompt_ids: torch.Tensor, eos: frozenset[int] | None,
 
     Raises:
         PromptError: prompt + ``max_new_tokens`` beyond the target's context; a bad prediction.
+        ConfigError: a bad ``logprobs``.
     """
+    check_logprobs(logprobs)
     check_context(target, prompt_ids.numel(), max_new_tokens)
     predicted = None if prediction is None else prediction_ids(target, prediction)
     return GenerationRequest(prompt_ids, max_new_tokens, sampling, drafter, output, settings.seed, settings.stop,

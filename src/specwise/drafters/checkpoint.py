@@ -40,7 +40,7 @@ def target_fingerprint(target) -> str:
     keeps its drafter; acceptance says how well it still fits).
 
     Computed once per target and tokenizer (kept in ``target.kept.once``, keyed by the tokenizer
-    object and its length, so a tokenizer swapped or grown is hashed again): hashing a 262k-token
+    object itself and its length, so a tokenizer swapped or grown is hashed again): hashing a 262k-token
     vocabulary takes a tenth of a second, and every drafter built for the target asks.
 
     Returns:
@@ -49,10 +49,8 @@ def target_fingerprint(target) -> str:
     kept = getattr(target, "kept", None)
     if kept is None:
         return _fingerprint(target)
-    tokenizer = target.tokenizer
-    key = ("fingerprint", id(tokenizer), len(tokenizer))
-    held, fingerprint = kept.once.get(key, lambda: (tokenizer, _fingerprint(target)))
-    return fingerprint if held is tokenizer else _fingerprint(target)  # an id reused by another tokenizer
+    # the key holds the tokenizer (hashed by identity), so no other tokenizer can take its place
+    return kept.once.get(("fingerprint", target.tokenizer, len(target.tokenizer)), lambda: _fingerprint(target))
 
 
 def _fingerprint(target) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -134,7 +133,7 @@ def check_output_format(target, body, chat: bool) -> OutputRules:
     except ToolError as exc:
         raise ApiError(400, str(exc), "tool_choice" if str(exc).startswith("tool_choice") else "tools") from None
     except PromptError as exc:  # tools for a template that cannot render them
-        raise ApiError(400, str(exc).replace("this target", "this model"), "tools") from None
+        raise ApiError(400, str(exc), "tools") from None
     except SpecwiseError as exc:
         raise ApiError(400, str(exc), "response_format" if body.response_format is not None else "tools") from None
 
@@ -213,7 +212,7 @@ def prepare(target, body, chat: bool, limits: Limits, tenant: str = "",
     try:
         settings = check_settings(seed=body.seed, stop=body.stop_strings, include_stop=False,
                                   draft_budget=limits.draft_budget)
-        drafter = (drafter_for or partial(_kept_drafter, target))(method, options)
+        drafter = drafter_for(method, options) if drafter_for else shared_drafter(target, method, **options)
         request = finish_request(target, prompt_ids, eos, drafter, sampling, output, settings, body.logprob_count,
                                  body.prediction.text if body.prediction is not None else None, ignore_eos=False,
                                  max_new_tokens=max_new_tokens)
@@ -221,7 +220,3 @@ def prepare(target, body, chat: bool, limits: Limits, tenant: str = "",
         raise ApiError(400, str(exc)) from None
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     return Prepared(request_id, request, method, options)
-
-
-def _kept_drafter(target, method: str, options: dict[str, Any]) -> Drafter:
-    return shared_drafter(target, method, **options)

@@ -8,9 +8,9 @@ waiting one joins between steps (continuous batching), and the draft budgets fol
 at once would only slow each other down: the worker runs them one after the other. Either way a
 job runs off the event loop: its checked request (:class:`specwise.request.GenerationRequest`,
 built once by :func:`specwise.serve.requests.prepare`) through :func:`specwise.request.run_request`,
-as :func:`specwise.generate` runs one (the server has no decoding path of its own). ``specwise serve`` runs the worker on the process's
-main thread and the event loop on another: torch's CPU forwards measured markedly slower on any
-thread but the main one (docs/serve.md). Each job streams its text pieces back to the event
+as :func:`specwise.generate` runs one (the server has no decoding path of its own).
+``specwise serve`` runs the worker on the process's main thread and the event loop on another:
+torch's CPU forwards measured markedly slower on any thread but the main one (docs/serve.md). Each job streams its text pieces back to the event
 loop as they are committed; a job whose client went away, or that ran past the time limit, is
 stopped at its next step and its state (KV cache, drafter state) is freed with it. A job whose
 client left while it waited leaves the queue at once; on shutdown the waiting jobs are refused and

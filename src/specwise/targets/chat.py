@@ -89,9 +89,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]], name: str,
     """
     if not has_chat_template(tokenizer):
         raise PromptError(f"target {name} has no chat template, so it cannot take messages; pass a text prompt.")
-    if tools and not supports_tools(tokenizer):
-        raise PromptError(f"the chat template of {name} does not write tool calls as <tool_call> blocks "
-                          "(as Qwen2.5's does), so this target cannot take tools.")
+    check_template_takes_tools(tokenizer, name, tools)
     try:
         ids = tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None,
                                             add_generation_prompt=True, tokenize=True)
@@ -100,6 +98,17 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]], name: str,
     if hasattr(ids, "keys"):  # a BatchEncoding where return_dict defaults to True
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+def check_template_takes_tools(tokenizer, name: str, tools: Sequence[dict] | None) -> None:
+    """Refuse ``tools`` for a chat template that does not write calls as ``<tool_call>`` blocks.
+
+    Raises:
+        PromptError: naming the target (``name``) and the template it would need.
+    """
+    if tools and not supports_tools(tokenizer):
+        raise PromptError(f"the chat template of {name} does not write tool calls as <tool_call> blocks "
+                          "(as Qwen2.5's does), so it cannot take tools.")
 
 
 def end_of_turn_ids(tokenizer) -> frozenset[int]:
