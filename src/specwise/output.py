@@ -65,7 +65,8 @@ def check_output(target, *, tools: Sequence[dict] | None = None, tool_choice: st
     """
     render, schemas, response_format = tool_setup(tools, tool_choice, parallel_tool_calls, response_format, chat,
                                                   target)
-    check_template_takes_tools(target.tokenizer, target.name, render)
+    if render:  # only tools to render need the template (a target may carry no tokenizer)
+        check_template_takes_tools(target.tokenizer, target.name, render)
     return OutputRules(render, schemas, compile_response_format(target, response_format))
 
 
