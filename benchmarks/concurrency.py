@@ -6,7 +6,10 @@ the contenders take turns (order rotating per round) on the same held-out prompt
 ``/v1/completions`` requests started together, each prompt a different one. Measured per stream:
 time to first token and tokens per second; per burst: aggregate tokens per second (all streams'
 tokens over the burst's wall time). Tokens are counted from each response's ``usage`` (llama-server:
-its ``timings.predicted_n`` where it gives no ``usage``), never from chunks.
+its ``timings.predicted_n`` where it gives no ``usage``), never from chunks. For our batched server
+each burst also records its rounds from ``/metrics`` (before and after): their number, the time
+inside the engine, and the time between rounds (the generations' own work, which each round waits
+for), so a gap to the peer can be split into the engine's part and ours.
 
     python benchmarks/concurrency.py --llama-server PATH [--clients 1,2,4,8,16] [--temperature 0.7]
     python benchmarks/concurrency.py --memory 32x3    # 32 clients x 3 rounds on the batched server: errors, RSS
@@ -112,7 +115,25 @@ def stream_one(url: str, model: str, prompt: str, max_tokens: int, temperature: 
             "tokens": tokens, "text": "".join(pieces), "speculative_decoding": spec}
 
 
+def round_times(url: str) -> dict | None:
+    """Our server's batched rounds so far, from ``/metrics``: ``{rounds, engine_s, between_s}``;
+    ``None`` for a server that reports none (a peer, or ours without batching)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        key = {"specwise_batch_rounds": "rounds", 'specwise_batch_seconds{part="engine"}': "engine_s",
+               'specwise_batch_seconds{part="between"}': "between_s"}.get(name)
+        if key:
+            found[key] = float(value)
+    return found if len(found) == 3 else None
+
+
 def burst(contender: Contender, model: str, prompts: list[str], clients: int, args, seed0: int) -> dict:
+    before = round_times(contender.url)
     results: list[dict] = [{}] * clients
     barrier = threading.Barrier(clients)
 
@@ -126,6 +147,8 @@ def burst(contender: Contender, model: str, prompts: list[str], clients: int, ar
         t.start()
     for t in threads:
         t.join()
+    after = round_times(contender.url) if before else None
+    rounds = {k: after[k] - before[k] for k in before} if after else None
     ok = [r for r in results if "error" not in r]
     tokens = sum(r["tokens"] or 0 for r in ok)
     wall = max(r["end"] for r in ok) - min(r["start"] for r in ok) if ok else float("nan")
@@ -133,7 +156,7 @@ def burst(contender: Contender, model: str, prompts: list[str], clients: int, ar
             "wall_s": wall, "aggregate_tps": tokens / wall if ok else 0.0,
             "stream_tps": [r["tokens"] / r["wall_s"] for r in ok if r["tokens"]],
             "ttft_s": [r["ttft_s"] for r in ok], "missing_usage": sum(r["tokens"] is None for r in ok),
-            "speculative_decoding": [r["speculative_decoding"] for r in ok]}
+            "speculative_decoding": [r["speculative_decoding"] for r in ok], "rounds": rounds}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -155,8 +178,19 @@ def summarize(bursts: list[dict]) -> list[dict]:
                      "stream_tps_median": statistics.median([s for b in mine for s in b["stream_tps"]] or [0]),
                      "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95),
                      "missing_usage": sum(b["missing_usage"] for b in mine),
-                     "method_steps": _method_steps(mine)})
+                     "method_steps": _method_steps(mine), **_round_ms(mine)})
     return rows
+
+
+def _round_ms(bursts: list[dict]) -> dict:
+    """Pooled over the bursts: rounds, and milliseconds per round in the engine and between rounds
+    (ours only; empty for a peer)."""
+    timed = [b["rounds"] for b in bursts if b.get("rounds") and b["rounds"]["rounds"]]
+    if not timed:
+        return {}
+    n = sum(t["rounds"] for t in timed)
+    return {"rounds": n, "engine_ms_per_round": 1000 * sum(t["engine_s"] for t in timed) / n,
+            "between_ms_per_round": 1000 * sum(t["between_s"] for t in timed) / n}
 
 
 def _method_steps(bursts: list[dict]) -> dict[str, int] | None:
@@ -189,6 +223,11 @@ def markdown(summary: dict) -> str:
            for r in rows if r.get("method_steps")]
     if ran:
         lines += ["", "Our verification steps by method (all streams):", ""] + [f"- {line}" for line in ran]
+    timed = [f"{r['contender']} at {r['clients']} clients: {r['rounds']:.0f} rounds, {r['engine_ms_per_round']:.1f} ms "
+             f"in the engine and {r['between_ms_per_round']:.1f} ms between rounds, per round"
+             for r in rows if r.get("rounds")]
+    if timed:
+        lines += ["", "Our batched rounds (from /metrics, pooled over the bursts):", ""] + [f"- {line}" for line in timed]
     lines += ["", "Commands:", ""] + [f"- {name}: `{command}`" for name, command in summary["commands"].items()]
     return "\n".join(lines) + "\n"
 
@@ -289,8 +328,11 @@ def main(argv: list[str] | None = None) -> int:
             for c in order:
                 b = burst(c, args.target, mine, n, args, 100 * r)
                 bursts.append(b)
+                timing = "" if not b["rounds"] or not b["rounds"]["rounds"] else (
+                    f", {b['rounds']['rounds']:.0f} rounds: {1000 * b['rounds']['engine_s'] / b['rounds']['rounds']:.1f} ms "
+                    f"engine + {1000 * b['rounds']['between_s'] / b['rounds']['rounds']:.1f} ms between")
                 print(f"round {r + 1} {c.name} {n} clients: {b['aggregate_tps']:.1f} tok/s aggregate, "
-                      f"errors {b['errors']}", flush=True)
+                      f"errors {b['errors']}{timing}", flush=True)
                 (out / "bursts.json").write_text(json.dumps(bursts, indent=1))
     for c in contenders:
         c.stop()

@@ -182,6 +182,20 @@ def test_the_members_forwards_run_in_one_round_and_a_stranger_runs_alone():
     assert batcher.submit(7) == 70 and rounds[-1] == [7]
 
 
+def test_the_batcher_counts_time_in_rounds_and_between_them_but_not_while_idle():
+    batcher = DecodeBatcher(lambda requests: (time.sleep(0.02), [setattr(r, "result", 1) for r in requests]))
+    with batcher.member():
+        for _ in range(3):
+            batcher.submit(0)
+            time.sleep(0.01)  # the member's own work between its rounds
+    time.sleep(0.1)  # nobody in the batch: not time between rounds
+    with batcher.member():
+        batcher.submit(0)
+    times = batcher.times
+    assert times.rounds == 4 and 0.08 <= times.engine_s < 0.5
+    assert 0.02 <= times.between_s < 0.09  # the two gaps inside the first block only
+
+
 def test_a_member_still_setting_up_holds_up_no_round():
     """A member that has not submitted a forward yet (tokenizing, compiling a grammar, building its
     drafter) is not waited for: the others' rounds go on without it."""
@@ -490,3 +504,6 @@ def test_concurrent_requests_to_a_batching_server_get_their_own_text(batched_ser
     kept = float(re.search(r"^specwise_prefix_kept_tokens (\S+)$", metrics, re.M).group(1))
     assert kept == target.kept_tokens > 0
     assert "specwise_prefix_reused_tokens" in metrics
+    rounds = float(re.search(r"^specwise_batch_rounds (\S+)$", metrics, re.M).group(1))
+    engine = float(re.search(r'^specwise_batch_seconds\{part="engine"\} (\S+)$', metrics, re.M).group(1))
+    assert rounds == target.batch_rounds > 0 and engine > 0 and 'specwise_batch_seconds{part="between"}' in metrics

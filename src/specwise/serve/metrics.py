@@ -48,6 +48,12 @@ class ServerMetrics:
                                          "the suffix indexes keep, over every tenant", registry=r)
         self.prefix_reused_tokens = Gauge("specwise_prefix_reused_tokens", "Prompt tokens taken from kept "
                                           "sequences instead of decoded, since the server started", registry=r)
+        self.batch_rounds = Gauge("specwise_batch_rounds", "Batched rounds (one engine call over every running "
+                                  "generation's step) since the server started", registry=r)
+        self.batch_seconds = Gauge("specwise_batch_seconds", "Time of the batched rounds since the server started: "
+                                   "inside the engine (engine), or from one round's end to the next one's start "
+                                   "while generations ran (between: their own work, which each round waits for)",
+                                   ["part"], registry=r)
 
     def watch_index(self, target) -> None:
         """Report the tokens ``target``'s suffix indexes hold (earlier requests' text, every tenant)
@@ -64,6 +70,10 @@ class ServerMetrics:
         self.kv_caches.labels("reserved").set_function(lambda: capacity.reserved.caches)
         self.prefix_kept_tokens.set_function(lambda: target.kept_tokens)
         self.prefix_reused_tokens.set_function(lambda: target.reused_tokens)
+        times = target.batch_times
+        self.batch_rounds.set_function(lambda: times.rounds)
+        self.batch_seconds.labels("engine").set_function(lambda: times.engine_s)
+        self.batch_seconds.labels("between").set_function(lambda: times.between_s)
 
     def record_decision(self, batch_size: int, budget: int) -> None:
         """One step's load-rule decision for one generation (:mod:`specwise.engine.load`)."""

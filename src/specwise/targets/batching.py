@@ -18,9 +18,27 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
+
+
+@dataclass
+class RoundTimes:
+    """Where a batch's time went since the batcher was made (units: seconds).
+
+    Attributes:
+        rounds: batched rounds run (one engine call each).
+        engine_s: time inside those engine calls.
+        between_s: time from one round's end to the next one's start while a member stayed in the
+            batch: the members' own work between two rounds (verifying, drafting, streaming), all
+            of which the next round waits for. Time with no member is not counted.
+    """
+
+    rounds: int = 0
+    engine_s: float = 0.0
+    between_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -54,7 +72,13 @@ class DecodeBatcher:
         self._joined: set[int] = set()  # members that have submitted a forward: each round waits for these
         self._pending: list[DecodeRequest] = []
         self._running = False
-        self.rounds = 0  # batched rounds run (for tests and metrics)
+        self._ended: float | None = None  # when the last round ended, while a member stayed
+        self.times = RoundTimes()
+
+    @property
+    def rounds(self) -> int:
+        """Batched rounds run so far."""
+        return self.times.rounds
 
     @property
     def members(self) -> int:
@@ -80,6 +104,8 @@ class DecodeBatcher:
             with self._changed:
                 self._members.discard(ident)
                 self._joined.discard(ident)
+                if not self._members:
+                    self._ended = None  # an idle batch is not time between rounds
                 self._changed.notify_all()  # the others may all be waiting for this one
 
     def submit(self, payload: Any, member: bool | None = None) -> Any:
@@ -114,6 +140,9 @@ class DecodeBatcher:
                     self._changed.wait(timeout=0.5)
                     continue
                 batch, self._pending, self._running = self._pending, [], True
+                began = time.perf_counter()
+                if self._ended is not None:
+                    self.times.between_s += began - self._ended
                 self._changed.release()
                 try:
                     self._run_many(batch)
@@ -125,7 +154,10 @@ class DecodeBatcher:
                     for item in batch:
                         item.done = True
                     self._running = False
-                    self.rounds += 1
+                    ended = time.perf_counter()
+                    self._ended = ended if self._members else None
+                    self.times.rounds += 1
+                    self.times.engine_s += ended - began
                     self._changed.notify_all()
 
 

@@ -46,7 +46,7 @@ from specwise.engine.capacity import Capacity
 from specwise.engine.kept import TargetKept
 from specwise.engine.target import AttentionLayout, TargetOutput
 from specwise.errors import CapacityError, ConfigError, EngineError, TargetLoadError
-from specwise.targets.batching import DecodeBatcher, EngineThread
+from specwise.targets.batching import DecodeBatcher, EngineThread, RoundTimes
 from specwise.targets.chat import TextCodec
 from specwise.targets.gguf_parts import GGUFParts
 from specwise.targets.llamacpp_backend import drafter_dtype, lc, load_backends, loaded_cpu_variant, repack_by_default
@@ -472,6 +472,12 @@ class LlamaCppTarget(TextCodec):
     def batch_rounds(self) -> int:
         """Batched rounds run so far (one per step of the batch's members)."""
         return self._batcher.rounds
+
+    @property
+    def batch_times(self) -> RoundTimes:
+        """Where the batched rounds' time went so far: in the engine, or between rounds (the
+        members' own work, which each round waits for)."""
+        return self._batcher.times
 
     def _hidden_rows(self, layer: int, pieces: list[np.ndarray], n: int, wanted: list[int]) -> torch.Tensor:
         """One tapped layer's ``[n, H]`` from its pieces (one per decoded chunk; the final layer's
