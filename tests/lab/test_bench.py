@@ -230,7 +230,7 @@ CONFIG_KEYS = {"target", "dtype", "device", "max_new_tokens", "temperature", "se
 RECORD_KEYS = {"contender", "prompt_id", "category", "new_tokens", "wall_time_s", "tokens_per_second",
                "mean_accepted_length", "drafted_by_position", "accepted_by_position", "draft_time_s",
                "verify_time_s", "matches_baseline", "divergence_index", "divergence_logit_gap", "token_ids",
-               "decode_time_s", "method_steps"}
+               "decode_time_s", "method_steps", "prefill_time_s", "drafted_tokens"}
 SUMMARY_KEYS = {"contender", "prompts", "median_tokens_per_second", "median_speedup", "mean_accepted_length",
                 "acceptance_by_position", "draft_time_s", "verify_time_s", "other_time_s", "exact_matches",
                 "near_tie_divergences", "other_divergences", "steps_by_method", "pooled_tokens_per_second",

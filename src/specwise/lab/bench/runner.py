@@ -43,6 +43,8 @@ class RunRecord:
     token_ids: list[int] = field(default_factory=list)
     decode_time_s: float | None = None  # decoding without the prefill, where a peer reports it (llama.cpp)
     method_steps: list[list] = field(default_factory=list)  # [method, steps] runs (``auto``'s choices)
+    prefill_time_s: float | None = None  # the prompt's forward (ours)
+    drafted_tokens: int | None = None  # draft tokens verified, a tree's nodes counted (ours)
 
 
 @dataclass
@@ -165,6 +167,8 @@ def _record(contender: Contender, prompt: PromptRecord, outcome) -> RunRecord:
         record.draft_time_s = stats.draft_time_s
         record.verify_time_s = stats.verify_time_s
         record.method_steps = [list(run) for run in stats.method_steps]
+        record.prefill_time_s = stats.prefill_time_s
+        record.drafted_tokens = stats.drafted_tokens
     return record
 
 
