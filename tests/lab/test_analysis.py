@@ -24,6 +24,7 @@ from specwise.engine.cost_model import (
 )
 from specwise.engine.timing import Calibration, MethodCost
 from specwise.errors import ConfigError
+from specwise.lab.analysis.budgets import budget_points, budget_table
 from specwise.lab.analysis.overlay import contender_draft_tokens, measured_points, predict, prediction_table
 from specwise.lab.analysis.plots import plot_speedup_vs_alpha, plot_speedup_vs_k, plot_verify_cost
 
@@ -291,3 +292,50 @@ def test_analyze_cli_errors(tmp_path, capsys):
     assert main(["analyze", "--calibrate", "--calibration", "x.json", "--out", str(tmp_path)]) == 2
     assert main(["analyze", "--overlay", str(tmp_path / "nope.json"), "--calibrate", "--out", str(tmp_path)]) == 2
     assert "no bench results" in capsys.readouterr().err
+
+
+def _budget_run(temperature: float = 0.0) -> dict:
+    def record(contender, new_tokens, tau, wall, drafted=(), **extra):
+        return {"contender": contender, "prompt_id": "a", "category": "code", "new_tokens": new_tokens,
+                "mean_accepted_length": tau, "wall_time_s": wall, "prefill_time_s": 0.1,
+                "drafted_by_position": list(drafted), "accepted_by_position": [], "draft_time_s": 0.0, **extra}
+
+    records = [record("ar", 11, 1.0, 1.1),  # 10 plain steps in 1.0 s: t1 = 0.1 s
+               # 5 steps: 2 without drafts, 1 of depth 1 and 2 of depth 2 (rows 2, 3, 3)
+               record("pld", 11, 11 / 6, 0.8, [3, 2], draft_time_s=0.05, drafted_tokens=5),
+               # a tree: 4 steps, 2 of depth 1 verifying 3 nodes each (rows 4)
+               record("eagle", 11, 11 / 5, 0.6, [2], drafted_tokens=6),
+               record("llamacpp", 11, None, 0.5),
+               {**record("medusa", 11, 2.0, 0.5, [3]), "prefill_time_s": None}]  # a run from before the field
+    return {"schema": "specwise.lab.bench/1", "records": records, "summaries": {"overall": []},
+            "config": {"target": "t", "dtype": "bfloat16", "device": "cpu", "temperature": temperature}}
+
+
+def test_budget_points_price_the_steps_each_run_drew():
+    v = _calibration().verify_cost
+    points = {(p.contender, p.group): p for p in budget_points(_budget_run(0.7), v)}
+    assert set(points) == {(c, g) for c in ("pld", "eagle") for g in ("overall", "code")}
+    pld = points["pld", "overall"]
+    assert (pld.steps, pld.prompts, pld.temperature) == (5, 1, 0.7)
+    assert pld.rows_per_step == pytest.approx(2.0) and pld.tokens_per_step == pytest.approx(2.0)
+    assert pld.measured_speedup == pytest.approx(10 / 0.7 / 10)
+    assert pld.predicted_speedup == pytest.approx(10 / (0.1 * (2 + v(2) + 2 * v(3)) + 0.05) / 10)
+    assert pld.drafting_share == pytest.approx(0.05 / 0.7)
+    eagle = points["eagle", "overall"]
+    assert eagle.rows_per_step == pytest.approx((4 + 6) / 4)
+    assert eagle.predicted_speedup == pytest.approx(10 / (0.1 * (2 + 2 * v(4))) / 10)
+    table = budget_table(list(points.values()))
+    assert table.count("\n") == len(points) + 1 and "| 0.7 | pld | overall | 1 | 5 | 2.00 | 2.00 |" in table
+
+
+def test_analyze_cli_prices_several_runs_steps(tmp_path):
+    _calibration().save(tmp_path / "cal.json")
+    (tmp_path / "greedy.json").write_text(json.dumps(_budget_run(0.0)))
+    (tmp_path / "sampled.json").write_text(json.dumps(_budget_run(0.7)))
+    out = tmp_path / "out"
+    assert main(["analyze", "--calibration", str(tmp_path / "cal.json"), "--overlay",
+                 f"{tmp_path / 'greedy.json'},{tmp_path / 'sampled.json'}", "--out", str(out)]) == 0
+    assert (out / "budgets_predicted_vs_measured.png").read_bytes().startswith(PNG_MAGIC)
+    table = (out / "predicted_vs_measured.md").read_text()
+    assert "| 0 | pld | overall |" in table and "| 0.7 | eagle | code |" in table
+    assert "](budgets_predicted_vs_measured.png)" in (out / "analysis.md").read_text()

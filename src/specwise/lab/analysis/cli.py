@@ -3,10 +3,13 @@
     specwise analyze --calibrate --out DIR                 # measure t(n), v(n), c; write DIR/calibration.json
     specwise analyze --overlay RESULTS.json --out DIR      # curves + measured points, predicted vs measured
     specwise analyze --overlay RESULTS.json --calibration CAL.json --out DIR
+    specwise analyze --overlay GREEDY.json,SAMPLED.json --out DIR   # several runs, e.g. both temperatures
 
 Writes into ``--out``: ``calibration.json`` (with ``--calibrate``), ``verify_cost.png``,
 ``speedup_vs_alpha.png``, ``speedup_vs_k.png``, ``analysis.md`` and, with ``--overlay``,
-``predicted_vs_measured.md``. Importing this module is light (the CLI parser imports it).
+``predicted_vs_measured.md`` and ``budgets_predicted_vs_measured.png`` (every drafting method's
+steps, as its per-step budgets drew them, priced by the cost model: :mod:`specwise.lab.analysis.budgets`).
+Importing this module is light (the CLI parser imports it).
 """
 
 from __future__ import annotations
@@ -25,14 +28,25 @@ from specwise.drafters.timing import calibrate
 from specwise.engine.cost_model import expected_tokens_per_step, least_required_acceptance, optimal_num_draft_tokens
 from specwise.engine.timing import Calibration
 from specwise.errors import ConfigError
+from specwise.lab.analysis.budgets import budget_points, budget_table
 from specwise.lab.analysis.overlay import load_results, measured_points, mismatch_notes, predict, prediction_table
-from specwise.lab.analysis.plots import plot_speedup_vs_alpha, plot_speedup_vs_k, plot_verify_cost
+from specwise.lab.analysis.plots import (
+    calibration_subtitle,
+    plot_budget_points,
+    plot_speedup_vs_alpha,
+    plot_speedup_vs_k,
+    plot_verify_cost,
+)
 from specwise.targets.engine_choice import ENGINES
 from specwise.targets.loading import load_target
 from specwise.targets.native.weights import WEIGHTS, WEIGHTS_HELP
 
 OPTIMAL_K_ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 NEEDED_SPEEDUPS = (1.2, 1.5, 2.0, 2.5, 3.0)  # columns of the "acceptance needed" table
+BUDGETS_NOTE = ("Every drafting contender of ours, as its per-step draft budgets drew its steps: each step "
+                "priced at t₁·v(1 + its drafts) plus the drafting time the run measured, t₁ being `ar`'s "
+                "decoding time per step on the same prompts; speeds are decoding speeds (prefill excluded), "
+                "pooled over the group's prompts. A ratio below 1 is time the cost model does not price.")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -49,8 +63,9 @@ def add_analyze_args(parser: argparse.ArgumentParser, default_target: str) -> No
     """The options of ``specwise analyze``."""
     parser.add_argument("--calibrate", action="store_true",
                         help="measure the cost parameters on this machine (t(n), v(n), c per method) first")
-    parser.add_argument("--overlay", default=None, metavar="RESULTS.json",
-                        help="a `specwise bench` results file whose measured points are drawn over the curves")
+    parser.add_argument("--overlay", default=None, metavar="RESULTS.json[,RESULTS.json...]",
+                        help="`specwise bench` results files (comma-separated) whose measured points are drawn "
+                             "over the curves and priced step by step")
     parser.add_argument("--calibration", default=None, metavar="CALIBRATION.json",
                         help="calibration to use without --calibrate (default: OUT/calibration.json)")
     parser.add_argument("--out", default="runs/analyze", help="output directory (default runs/analyze)")
@@ -80,7 +95,9 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.calibrate and args.calibration:
         raise ConfigError("--calibrate writes OUT/calibration.json; drop --calibration, or drop --calibrate to reuse it.")
-    results = load_results(args.overlay) if args.overlay else None  # fail on a bad path before slow work
+    # fail on a bad path before slow work
+    runs = [load_results(path) for path in args.overlay.split(",") if path.strip()] if args.overlay else []
+    results = runs or None
     if args.calibrate:
         calibration = _calibrate(args)
         out.mkdir(parents=True, exist_ok=True)
@@ -89,22 +106,29 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         calibration = Calibration.load(args.calibration or out / "calibration.json")
         out.mkdir(parents=True, exist_ok=True)
 
-    points, notes = [], []
+    points, notes, priced = [], [], []
+    for run in runs:
+        points += predict(measured_points(run), calibration)
+        notes += mismatch_notes(run, calibration)
+        priced += budget_points(run, calibration.verify_cost)
     if results is not None:
-        points = predict(measured_points(results), calibration)
-        notes = mismatch_notes(results, calibration)
         if not points:
             notes.append("the bench run has no chain-drafting contender (only ar / hf-* / tree methods): "
                          "nothing to compare.")
     plots = [plot_verify_cost(calibration, out / "verify_cost.png"),
              plot_speedup_vs_alpha(calibration, out / "speedup_vs_alpha.png", args.ks, points),
              plot_speedup_vs_k(calibration, out / "speedup_vs_k.png")]
+    plots += [p for p in [plot_budget_points(priced, out / "budgets_predicted_vs_measured.png",
+                                             calibration_subtitle(calibration))] if p is not None]
     report = analysis_markdown(calibration, points, notes, plots, args.overlay)
     (out / "analysis.md").write_text(report)
     if results is not None:
         table = prediction_table(points)
+        priced_table = (f"\n## The steps each run drew, priced by the cost model\n\n{BUDGETS_NOTE}\n\n"
+                        f"{budget_table(priced)}\n") if priced else ""
         (out / "predicted_vs_measured.md").write_text(
-            f"# Predicted vs measured: {args.overlay}\n\n" + "".join(f"- note: {n}\n" for n in notes) + "\n" + table + "\n")
+            f"# Predicted vs measured: {args.overlay}\n\n" + "".join(f"- note: {n}\n" for n in notes) + "\n" + table
+            + "\n" + priced_table)
     console = Console()
     console.print(_calibration_summary(calibration))
     if points:

@@ -4,7 +4,9 @@
   proportional (v = n) references;
 - :func:`plot_speedup_vs_alpha`: predicted speedup against α for several k, one panel per
   calibrated method, with the measured points of a bench run on top;
-- :func:`plot_speedup_vs_k`: predicted speedup against k for a few α, optimum marked.
+- :func:`plot_speedup_vs_k`: predicted speedup against k for a few α, optimum marked;
+- :func:`plot_budget_points`: measured against predicted speedup for the steps bench runs drew
+  under per-step draft budgets, every drafting method, at every temperature given.
 
 Figures are built on ``matplotlib.figure.Figure`` (no pyplot, no global backend change).
 """
@@ -18,6 +20,7 @@ import numpy as np
 
 from specwise.engine.cost_model import optimal_num_draft_tokens, speedup
 from specwise.engine.timing import Calibration
+from specwise.lab.analysis.budgets import BudgetPoint
 from specwise.lab.analysis.overlay import MeasuredPoint, method_cost
 from specwise.lab.bench.plots import new_figure, save_figure
 
@@ -25,7 +28,8 @@ DEFAULT_KS = (3, 5, 7)
 DEFAULT_ALPHAS = (0.5, 0.7, 0.8, 0.9)
 
 
-def _subtitle(calibration: Calibration) -> str:
+def calibration_subtitle(calibration: Calibration) -> str:
+    """The target, dtype, device, processor, threads and t(1) of a calibration, for figure titles."""
     return (f"{calibration.target} {calibration.dtype} on {calibration.device} "
             f"({calibration.machine.get('processor', '?')}, {calibration.machine.get('torch_threads', '?')} threads), "
             f"t(1) = {calibration.step_time_s * 1e3:.1f} ms")
@@ -47,7 +51,7 @@ def plot_verify_cost(calibration: Calibration, path: str | Path) -> Path:
     ax.set_xticks(n, [str(x) for x in n])
     ax.set_xlabel("tokens in one target forward, n (= k drafts + 1)")
     ax.set_ylabel("relative cost v(n) (× one-token forward)")
-    ax.set_title(f"Verification cost after {calibration.context_length} cached tokens\n{_subtitle(calibration)}",
+    ax.set_title(f"Verification cost after {calibration.context_length} cached tokens\n{calibration_subtitle(calibration)}",
                  fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
@@ -102,7 +106,7 @@ def plot_speedup_vs_alpha(calibration: Calibration, path: str | Path, ks: Sequen
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper left")
-    fig.suptitle(f"Predicted speedup E(α,k) / (k·c + v(k+1))\n{_subtitle(calibration)}", fontsize=9)
+    fig.suptitle(f"Predicted speedup E(α,k) / (k·c + v(k+1))\n{calibration_subtitle(calibration)}", fontsize=9)
     return save_figure(fig, path)
 
 
@@ -130,5 +134,47 @@ def plot_speedup_vs_k(calibration: Calibration, path: str | Path, alphas: Sequen
         ax.set_ylabel("speedup over plain decoding (×)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Predicted speedup against k (★ = optimal k)\n{_subtitle(calibration)}", fontsize=9)
+    fig.suptitle(f"Predicted speedup against k (★ = optimal k)\n{calibration_subtitle(calibration)}", fontsize=9)
+    return save_figure(fig, path)
+
+
+def plot_budget_points(points: Sequence[BudgetPoint], path: str | Path, subtitle: str = "") -> Path | None:
+    """Measured against predicted speedup over ``ar`` for the steps each run drew
+    (:func:`specwise.lab.analysis.budgets.budget_points`): one colour per contender, one marker per
+    temperature; ``overall`` large and filled, each category small and hollow; the diagonal is a
+    perfect prediction. ``None`` (nothing drawn) without points."""
+    if not points:
+        return None
+    from matplotlib import colormaps  # the [bench] extra: imported only when a plot is drawn
+
+    contenders = list(dict.fromkeys(p.contender for p in points))
+    temperatures = sorted({p.temperature for p in points})
+    cmap = colormaps["tab10"]
+    markers = ["o", "s", "^", "D", "v"]
+    fig = new_figure(6.4, 5.6)
+    ax = fig.add_subplot()
+    for i, contender in enumerate(contenders):
+        for j, temperature in enumerate(temperatures):
+            mine = [p for p in points if p.contender == contender and p.temperature == temperature]
+            if not mine:
+                continue
+            marker, color = markers[j % len(markers)], cmap(i % 10)
+            overall = [p for p in mine if p.group == "overall"]
+            groups = [p for p in mine if p.group != "overall"]
+            ax.scatter([p.predicted_speedup for p in overall], [p.measured_speedup for p in overall], s=70,
+                       marker=marker, color=color, label=f"{contender}, T = {temperature:g}", zorder=3)
+            ax.scatter([p.predicted_speedup for p in groups], [p.measured_speedup for p in groups], s=22,
+                       marker=marker, facecolors="none", edgecolors=color, zorder=2)
+    values = [x for p in points for x in (p.predicted_speedup, p.measured_speedup)]
+    low, high = min(values + [1.0]) * 0.95, max(values + [1.0]) * 1.05
+    ax.plot([low, high], [low, high], color="gray", linestyle="--", linewidth=1, label="measured = predicted")
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
+    ax.axvline(1.0, color="black", linewidth=0.8, linestyle=":")
+    ax.set_xlim(low, high)
+    ax.set_ylim(low, high)
+    ax.set_xlabel("predicted speedup over ar (the cost model, for the steps the run drew)")
+    ax.set_ylabel("measured speedup over ar (decoding, prefill excluded)")
+    ax.set_title("Per-step draft budgets: predicted against measured\n" + subtitle, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
     return save_figure(fig, path)
