@@ -29,6 +29,8 @@ non-empty reply), τ where the server reports it. Results are appended to ``turn
 come (a rerun with the same ``--out`` skips conversations already there).
 
     python benchmarks/agentic.py --llama-server PATH [--conversations 6] [--out runs/agentic]
+    python benchmarks/agentic.py --export runs/agentic.jsonl [--conversations 2] [--tune]
+        # the conversations alone, as JSON Lines for `specwise bench --conversations FILE`
 """
 
 from __future__ import annotations
@@ -325,7 +327,9 @@ def summary(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--llama-server", type=Path, required=True)
+    parser.add_argument("--llama-server", type=Path, default=None)
+    parser.add_argument("--export", type=Path, default=None, metavar="FILE",
+                        help="write the conversations as JSON Lines (for specwise bench --conversations) and stop")
     parser.add_argument("--methods", default="ar,suffix,auto,auto[floor=suffix]",
                         help="our methods, a server each at its defaults; the first is the reference")
     parser.add_argument("--spec-types", default="none,ngram-mod,ngram-map-k,ngram-simple",
@@ -339,6 +343,14 @@ def main() -> None:
                              "--clients conversations together, llama-server with -np CLIENTS")
     parser.add_argument("--out", type=Path, default=Path("runs/agentic"))
     args = parser.parse_args()
+    if args.export:
+        args.export.parent.mkdir(parents=True, exist_ok=True)
+        conversations = build(args.conversations, held_out=not args.tune)
+        args.export.write_text("".join(json.dumps(c) + "\n" for c in conversations))
+        print(f"wrote {len(conversations)} conversations to {args.export}")
+        return
+    if args.llama_server is None:
+        parser.error("--llama-server is required (except with --export)")
     import specwise
 
     args.out.mkdir(parents=True, exist_ok=True)

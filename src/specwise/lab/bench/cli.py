@@ -14,6 +14,7 @@ from specwise.drafters.spec import split_spec, split_specs
 from specwise.engine.clock import machine_info
 from specwise.errors import ConfigError
 from specwise.lab.bench.contenders import hf_peer_specs, parse_contender
+from specwise.lab.bench.conversations import load_conversations, run_conversations, summarize_turns, turns_markdown
 from specwise.lab.bench.plots import write_bench_plots
 from specwise.lab.bench.progress import bench_progress
 from specwise.lab.bench.report import markdown_report, rich_table
@@ -58,6 +59,9 @@ def add_bench_args(bench: argparse.ArgumentParser, default_target: str) -> None:
     bench.add_argument("--out", default="runs/bench")
     bench.add_argument("--llama-server", default=None, metavar="PATH",
                        help="llama.cpp's llama-server, for the llamacpp[...] contenders (scripts/build-llama-server.sh)")
+    bench.add_argument("--conversations", default=None, metavar="FILE",
+                       help="multi-turn conversations (JSON Lines; benchmarks/agentic.py --export FILE builds one): "
+                            "every contender through every turn, each turn's history the first contender's reply")
     bench.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
                        help="run every drafting method once per value of one option, e.g. num_draft_tokens=1,3,5,7")
     bench.set_defaults(func=cmd_bench)
@@ -68,6 +72,8 @@ def _progress(message: str) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.conversations:
+        return _bench_conversations(args)
     records = _bench_prompts(args)
     response_format = _response_format(args)
     specs = split_specs(args.methods)
@@ -108,6 +114,48 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for group in result.summaries if console.is_terminal else ["overall"]:  # a log gets the overall table
         console.print(rich_table(result, group))
     console.print(f"wrote {out / 'results.json'}, {out / 'report.md'} and {', '.join(p.name for p in plots)}")
+    return 0
+
+
+def _bench_conversations(args: argparse.Namespace) -> int:
+    """``--conversations``: each of our contenders on a target object of its own (its prefix store and
+    drafter kept across turns, as a server keeps them), the peers as configured; rows written as
+    they come (``turns.jsonl``), then ``summary.json`` and ``report.md``."""
+    conversations = load_conversations(args.conversations)  # fail on a bad file before loading models
+    if args.sweep or args.hf_peers or args.json_schema:
+        raise ConfigError("--conversations takes its turns' formats from the file; drop --sweep, --hf-peers "
+                          "and --json-schema.")
+    specs = split_specs(args.methods)
+    server = Path(args.llama_server) if args.llama_server else None
+    gguf = gguf_file(args.target) if server else None
+    load = lambda: load_target(args.target, dtype=args.dtype, device=args.device, weights=args.weights,  # noqa: E731
+                               engine=args.engine)
+    target = load()
+    contenders = []
+    for spec in specs:
+        peer = split_spec(spec)[0].startswith(("llamacpp", "hf-"))
+        contenders.append(parse_contender(target if peer or not contenders else load(), spec, server, gguf))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console()
+    with (out / "turns.jsonl").open("w") as log:
+        def on_turn(row: dict) -> None:
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            console.print(f"{row['conversation']} turn {row['turn']} ({row['turn_kind']}) {row['contender']}: "
+                          f"{row['wall_s']:.2f} s, {row['new_tokens']} tokens, valid {row['valid']}", markup=False)
+
+        rows = run_conversations(target, contenders, conversations, max_new_tokens=args.max_new_tokens,
+                                 temperature=args.temperature, seed=args.seed, on_turn=on_turn)
+    summary = summarize_turns(rows)
+    header = (f"# {args.target}: {len(conversations)} conversations, {len(rows) // max(1, len(contenders))} turns, "
+              f"T = {args.temperature:g}, at most {args.max_new_tokens} new tokens per turn\n\n"
+              f"`{' '.join(['specwise', *sys.argv[1:]])}` on {machine_info(target.device).get('processor', '?')}")
+    (out / "summary.json").write_text(json.dumps({"machine": machine_info(target.device), "rows": summary,
+                                                  "described": {c.name: c.describe() for c in contenders
+                                                                if c.describe is not None}}, indent=1))
+    (out / "report.md").write_text(turns_markdown(summary, header))
+    console.print(turns_markdown(summary, header), markup=False)
     return 0
 
 

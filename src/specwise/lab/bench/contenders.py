@@ -40,6 +40,9 @@ class Contender:
     is_peer: bool = False
     #: how the contender ran, for the report (a peer's command line and build), once it has run
     describe: Callable[[], str] | None = None
+    #: ``run`` takes ``cache_prompt=True``: keep the prompt's cache for the next request that
+    #: continues it (llama-server's own option; a conversation's turns)
+    caches_prompts: bool = False
 
 
 def specwise_contender(target, method: str, label: str | None = None, constrained: bool = True,
@@ -156,14 +159,14 @@ def llamacpp_contender(target, binary: Path, gguf: Path, label: str = "llamacpp"
     server = LlamaServer(binary, gguf, flags, torch.get_num_threads())
 
     def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, ignore_eos=False, response_format=None,
-            **_sampling):
+            cache_prompt=False, **_sampling):
         reply = server.complete(prompt_ids.tolist(), max_new_tokens, temperature, seed, ignore_eos=ignore_eos,
-                                json_schema=json_schema_of(response_format))
+                                json_schema=json_schema_of(response_format), cache_prompt=cache_prompt)
         timings = reply.get("timings", {})
         prefill_s, decode_s = timings.get("prompt_ms", 0.0) / 1e3, timings.get("predicted_ms", 0.0) / 1e3
         return Outcome(list(reply.get("tokens", [])), prefill_s + decode_s, None, decode_time_s=decode_s)
 
-    return Contender(label, run, is_peer=True, describe=server.describe)
+    return Contender(label, run, is_peer=True, describe=server.describe, caches_prompts=True)
 
 
 def json_schema_of(response_format: dict | None) -> dict | None:

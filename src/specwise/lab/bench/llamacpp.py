@@ -76,14 +76,15 @@ class LlamaServer:
         raise ConfigError("llama-server did not become healthy within 120 s.")
 
     def complete(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int | None,
-                 ignore_eos: bool = False, json_schema: dict | None = None) -> dict:
+                 ignore_eos: bool = False, json_schema: dict | None = None, cache_prompt: bool = False) -> dict:
         """``/completion`` on token ids; sampling is plain temperature sampling (no top-k, top-p, min-p,
         repetition penalty), as specwise's defaults are; ``ignore_eos`` generates past end-of-sequence;
-        ``json_schema`` constrains the output by llama.cpp's own grammar support."""
+        ``json_schema`` constrains the output by llama.cpp's own grammar support; ``cache_prompt`` keeps
+        the slot's cache for a later prompt that continues this one (a conversation's next turn)."""
         self.start()
         body = {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": temperature, "top_k": 0,
                 "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0, "seed": -1 if seed is None else seed,
-                "cache_prompt": False, "return_tokens": True, "stream": False, "ignore_eos": ignore_eos}
+                "cache_prompt": cache_prompt, "return_tokens": True, "stream": False, "ignore_eos": ignore_eos}
         if json_schema is not None:
             body["json_schema"] = json_schema
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
