@@ -12,13 +12,16 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from conftest import OracleDrafter, RandomTreeDrafter, greedy_continuation, make_target, random_prompt
 from specwise.engine.acceptance import EXACT, AcceptanceRule
 from specwise.engine.loop import speculative_generate
 from specwise.engine.lossy import TypicalAcceptance
 from specwise.engine.sampling import SamplingConfig
+from specwise.engine.step import _verify_as_tree, verify_proposal
 from specwise.engine.stopping import StoppingRules
+from specwise.engine.types import Proposal
 
 
 class RejectEveryDraft(AcceptanceRule):
@@ -139,3 +142,44 @@ def test_an_eos_inside_a_stop_string_cut_reports_the_stop_string():
     assert rules.commit([1, 2, 3, 4]) == [1, 2]
     assert (rules.tokens, rules.stop_reason) == ([1, 2], "stop_string")
 
+
+
+class _LayoutRecordingTarget:
+    """Wraps a Target and records, per forward, whether it was given a tree layout."""
+
+    def __init__(self, target) -> None:
+        self._target = target
+        self.layouts: list[bool] = []
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def forward(self, input_ids, cache, **kwargs):
+        self.layouts.append(kwargs.get("layout") is not None)
+        return self._target.forward(input_ids, cache, **kwargs)
+
+
+@pytest.mark.parametrize("budget, as_tree", [(0, False), (2, False), (3, False), (4, True)])
+def test_a_tree_whose_verified_nodes_form_one_branch_is_verified_as_that_chain(budget, as_tree):
+    """Nodes 1-3 form one branch, node 4 is a second child of the root: cut to its first 3 nodes
+    or fewer the tree is verified on the chain path (no layout); whole, as a tree. Greedy, the
+    outcome is the tree walk's."""
+    prompt = random_prompt(10, seed=4)
+    truth = greedy_continuation("llama", 0, tuple(prompt.tolist()), 4)
+    tokens = torch.tensor([truth[0], truth[1], (truth[2] + 1) % 50, truth[0] + 1])
+    proposal = Proposal(tokens, parents=torch.tensor([0, 1, 2, 0]))
+    outcomes = []
+    for routed in (True, False):
+        target = _LayoutRecordingTarget(make_target("llama"))
+        cache = target.new_cache()
+        target.forward(prompt[:-1], cache)
+        args = dict(budget=budget, sampling=SamplingConfig(), generator=None, hidden_layers=())
+        if routed:
+            step = verify_proposal(target, cache, prompt, proposal, **args)
+            assert target.layouts[-1] is as_tree
+        else:
+            step = _verify_as_tree(target, cache, prompt, proposal, budget, SamplingConfig(), None, (), None,
+                                   False, None)
+        outcomes.append((step.accepted, step.next_token, step.accepted_nodes, cache.length))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][0] == list(truth[: min(budget, 2)])

@@ -216,14 +216,32 @@ def verify_proposal(target, cache: TargetCache, context: torch.Tensor, proposal:
     """
     if room is not None:
         budget = max(0, min(budget, room - 1))
-    if budget == 0 and proposal.parents is not None and proposal.auxiliary is None:
-        # a tree cut to no node verifies the root alone: on the chain path, which a batched engine
-        # runs as one row of the generation's own sequence rather than a tree's branches
-        proposal = Proposal(proposal.tokens[:0], acceptance=proposal.acceptance)
+    if proposal.parents is not None and proposal.auxiliary is None:
+        proposal = _chain_if_one_branch(proposal, budget)
     verify = _verify_plain_chain if _is_plain_chain(proposal) else _verify_as_tree
     return verify(target, cache, context, proposal, budget, sampling, generator, hidden_layers, grammar,
                   emitted_logits, room)
 
+
+
+def _chain_if_one_branch(proposal: Proposal, budget: int) -> Proposal:
+    """A tree whose first ``budget`` nodes (those verified) form one branch, each the child of the
+    one before, as that chain; else the tree unchanged.
+
+    A chain is verified on the chain path: a causal forward in the generation's own sequence with
+    every row's logits, where a tree needs branch sequences, a 4-D layout and (on an engine that
+    computes the rows a walk reaches from hidden states) a hidden-state tap per step. Small budgets
+    cut most trees to their first branch, so this is the common case under the cost model. One
+    child per node is walked the same by the chain and the tree rule (deterministic drafts: the
+    same tokens; sampled drafts: each accepted with min(1, p/q), the residual after the first
+    refusal), so the output is unchanged; a budget of 0 verifies the root alone.
+    """
+    k = min(budget, proposal.tokens.numel())
+    parents = proposal.parents[:k]
+    if k and not bool((parents == torch.arange(k, device=parents.device)).all()):
+        return proposal
+    probs = None if proposal.draft_probs is None else proposal.draft_probs[:k]
+    return Proposal(proposal.tokens[:k], probs, acceptance=proposal.acceptance)
 
 
 def _is_plain_chain(proposal: Proposal) -> bool:
