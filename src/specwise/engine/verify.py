@@ -29,10 +29,13 @@ def greedy_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tu
         ``(num_accepted, next_token)``: the length of the longest prefix of drafts equal to the
         target's choices, and the target's token after it (the correction or bonus token).
     """
-    k = draft_tokens.numel()
-    matches = (draft_tokens == target_tokens[:k]).to(torch.int64)
-    num_accepted = int(matches.cumprod(0).sum()) if k else 0
-    return num_accepted, int(target_tokens[num_accepted])
+    # a handful of ints: compared as Python lists (each torch op on a tiny tensor costs more than
+    # the whole walk, and this runs once per step of every generation)
+    drafts, targets = draft_tokens.tolist(), target_tokens.tolist()
+    num_accepted = 0
+    while num_accepted < len(drafts) and drafts[num_accepted] == targets[num_accepted]:
+        num_accepted += 1
+    return num_accepted, targets[num_accepted]
 
 
 def residual_distribution(
