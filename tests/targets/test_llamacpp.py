@@ -20,6 +20,7 @@ import torch
 import specwise
 from conftest import TREE_SHAPES, OracleDrafter, TreeOracleDrafter, block_chain_auxiliary, make_tokenizer
 from specwise.engine.target import AttentionLayout, DecodingTarget
+from specwise.engine.timing import binary_tree_layout
 from specwise.errors import ConfigError
 
 llamacpp = pytest.importorskip("specwise.targets.llamacpp")
@@ -113,11 +114,34 @@ def test_a_tree_forward_equals_one_forward_per_path(target):
     start = cache.length
     layout = AttentionLayout(ancestors, torch.tensor(depth) + start)
     tree = target.forward(tokens, cache, logit_rows=torch.arange(n), layout=layout).logits
-    for node in range(n):
-        path = [int(tokens[j]) for j in range(n) if ancestors[node, j]]
-        fresh = target.new_cache()
-        alone = target.forward(torch.tensor(PROMPT + path), fresh, num_logits=1).logits[-1]
-        np.testing.assert_allclose(tree[node].numpy(), alone.numpy(), rtol=0, atol=1e-3)
+    reuse, target.prefix_reuse = target.prefix_reuse, False  # each path decoded whole, not continued
+    try:  # from a sequence kept by an earlier test (another batch shape, ~1e-3 apart in F32)
+        for node in range(n):
+            path = [int(tokens[j]) for j in range(n) if ancestors[node, j]]
+            fresh = target.new_cache()
+            alone = target.forward(torch.tensor(PROMPT + path), fresh, num_logits=1).logits[-1]
+            np.testing.assert_allclose(tree[node].numpy(), alone.numpy(), rtol=0, atol=1e-3)
+    finally:
+        target.prefix_reuse = reuse
+
+
+def test_a_tree_forward_rolled_back_leaves_no_branch_behind(target):
+    """A tree undone by a rollback (as timing a tree's verification does, over and over), then
+    another tree and a chain: the same logits as a fresh cache's."""
+    cache = target.new_cache()
+    target.forward(torch.tensor(PROMPT), cache, num_logits=1)
+    start = cache.length
+    tokens = torch.tensor([70, 11, 12, 13])
+    for _ in range(3):
+        layout = binary_tree_layout(tokens.numel(), start, torch.device("cpu"))
+        tree = target.forward(tokens, cache, logit_rows=torch.arange(tokens.numel()), layout=layout).logits
+        cache.rollback(start)
+    chain = target.forward(tokens[:2], cache, num_logits=2).logits
+    fresh = target.new_cache()
+    target.forward(torch.tensor(PROMPT), fresh, num_logits=1)
+    expected = target.forward(tokens[:2], fresh, num_logits=2).logits
+    np.testing.assert_allclose(chain.numpy(), expected.numpy(), rtol=0, atol=1e-3)
+    assert tree.shape == (tokens.numel(), VOCAB)
 
 
 def test_a_layout_llamacpp_cannot_express_is_refused(target):

@@ -54,10 +54,15 @@ class LlamaCppCache:
         self._finalizer()
 
     def rollback(self, length: int) -> None:
-        """Keep the first ``length`` positions of the committed sequence."""
+        """Keep the first ``length`` positions of the committed sequence; a tree forward's branch
+        sequences, if the last forward was one, are dropped (a tree undone instead of committed)."""
         with self.target.lock:  # the tokens change with the sequence: another prompt may be reading them
             if length < self.length:
                 lc.llama_memory_seq_rm(self.target.memory, self.base, length, -1)
+            if self._branches is not None:
+                for seq in {s for seqs in self._branches for s in seqs} - {self.base}:
+                    lc.llama_memory_seq_rm(self.target.memory, seq, -1, -1)
+                self._branches = None
             self.length = min(self.length, length)
             del self.tokens[self.length:]
 
