@@ -86,9 +86,12 @@ class DecodeBatcher:
         return len(self._members)
 
     def is_member(self) -> bool:
-        """Whether the calling thread is enrolled."""
-        with self._changed:
-            return threading.get_ident() in self._members
+        """Whether the calling thread is enrolled.
+
+        Read without the lock: only the calling thread enrolls or leaves itself, so the answer about
+        itself cannot change while it asks (and a set lookup is atomic), and the lock is what every
+        member waiting for its round contends for."""
+        return threading.get_ident() in self._members
 
     @contextmanager
     def member(self) -> Iterator[None]:
