@@ -20,7 +20,7 @@ import torch
 import specwise
 from conftest import TREE_SHAPES, OracleDrafter, TreeOracleDrafter, block_chain_auxiliary, make_tokenizer
 from specwise.engine.target import AttentionLayout, DecodingTarget
-from specwise.engine.timing import binary_tree_layout
+from specwise.engine.timing import binary_tree_layout, measure_forward_times
 from specwise.errors import ConfigError
 
 llamacpp = pytest.importorskip("specwise.targets.llamacpp")
@@ -142,6 +142,13 @@ def test_a_tree_forward_rolled_back_leaves_no_branch_behind(target):
     expected = target.forward(tokens[:2], fresh, num_logits=2).logits
     np.testing.assert_allclose(chain.numpy(), expected.numpy(), rtol=0, atol=1e-3)
     assert tree.shape == (tokens.numel(), VOCAB)
+
+
+def test_timing_trees_leaves_out_those_the_engine_cannot_express(target):
+    """A binary tree of 64 nodes has 32 branches, more than a generation's sequences: not timed (NaN)."""
+    context = torch.tensor((PROMPT * 6)[:70])
+    small, large = measure_forward_times(target, context, [4, 64], repeats=1, tree=True)
+    assert small > 0 and np.isnan(large)
 
 
 def test_a_layout_llamacpp_cannot_express_is_refused(target):

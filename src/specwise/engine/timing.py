@@ -190,7 +190,8 @@ def measure_forward_times(target, context_ids: torch.Tensor, sizes: Sequence[int
             computes up front (:mod:`specwise.engine.node_logits`); the rows a walk may add later are not timed.
 
     Returns:
-        ``t(n)`` per size, in the order of ``sizes``.
+        ``t(n)`` per size, in the order of ``sizes``; NaN for a tree the engine cannot express
+        (more branches than a generation's sequences on llama.cpp).
     """
     clock = DeviceClock(target.device)
     cache = target.new_cache()
@@ -199,18 +200,25 @@ def measure_forward_times(target, context_ids: torch.Tensor, sizes: Sequence[int
     times: dict[int, list[float]] = {n: [] for n in sizes}
     options = {n: {"layout": binary_tree_layout(n, length, target.device), **_tree_forward_options(target, n)}
                if tree else {"num_logits": n} for n in sizes}
+    timed = list(sizes)
     for round_index in range(repeats + 1):
-        shift = round_index % len(sizes)
-        for n in list(sizes[shift:]) + list(sizes[:shift]):
+        shift = round_index % len(timed) if timed else 0
+        for n in timed[shift:] + timed[:shift]:
             new = context_ids[:n]
             start = clock.now()
-            target.forward(new, cache, **options[n])
+            try:
+                target.forward(new, cache, **options[n])
+            except ConfigError:
+                if not tree or round_index > 0:
+                    raise
+                timed.remove(n)  # found in the warm-up round: a tree this engine cannot express
+                continue
             elapsed = clock.now() - start
             cache.rollback(length)
             if round_index > 0:  # round 0 is the warm-up
                 times[n].append(elapsed)
     cache.release()
-    return [statistics.median(times[n]) for n in sizes]
+    return [statistics.median(times[n]) if times[n] else float("nan") for n in sizes]
 
 
 def verify_cost_table(target, store: Path | None = None) -> VerifyCostTable:
