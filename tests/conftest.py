@@ -64,6 +64,14 @@ TEXT_PIECES = tuple(chr(c) for c in range(32, 127)) + (
     "is", "it", "al", "ar", "st", "to", "nt", "ng", "se", "ha", "as", "ou")
 
 
+#: a Hermes-style chat template, as Qwen2.5's: the tools in the system turn, calls as <tool_call> blocks
+TOOL_CALL_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}</tools>{% endif %}"
+    "{% for m in messages %}{% if m['tool_calls'] %}<{% for c in m['tool_calls'] %}<tool_call>\n"
+    "{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
+    "\n</tool_call>{% endfor %}>{% elif m['role'] == 'tool' %}[{{ m['content'] }}]"
+    "{% else %}<{{ m['content'] }}>{% endif %}{% endfor %}{% if add_generation_prompt %}:{% endif %}")
+
 def make_text_tokenizer(pieces: Sequence[str] = TEXT_PIECES) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer over ``<unk>`` (0), ``<eos>`` (1), ``<bos>`` (2) and ``pieces``
     (ids 3, 4, ...; one or two characters each), built offline: a tokenizer a grammar engine can

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import TEXT_PIECES, make_text_target, save_chat_model
+from conftest import TEXT_PIECES, TOOL_CALL_TEMPLATE, make_text_target, save_chat_model
 from specwise.cli import main
 from specwise.errors import ConfigError
 from specwise.lab.bench.contenders import specwise_contender
@@ -22,12 +22,7 @@ from specwise.lab.bench.conversations import (
 
 pytest.importorskip("llguidance")
 
-TEMPLATE = (
-    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}</tools>{% endif %}"
-    "{% for m in messages %}{% if m['tool_calls'] %}<{% for c in m['tool_calls'] %}<tool_call>\n"
-    "{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
-    "\n</tool_call>{% endfor %}>{% elif m['role'] == 'tool' %}[{{ m['content'] }}]"
-    "{% else %}<{{ m['content'] }}>{% endif %}{% endfor %}{% if add_generation_prompt %}:{% endif %}")
+TEMPLATE = TOOL_CALL_TEMPLATE
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"q": {"type": "string", "maxLength": 6}}, "required": ["q"],
     "additionalProperties": False}}}]

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 import specwise
-from conftest import TEXT_PIECES, make_text_target, make_text_tokenizer, save_chat_model
+from conftest import TEXT_PIECES, TOOL_CALL_TEMPLATE, make_text_target, make_text_tokenizer, save_chat_model
 from serving import Server
 from specwise.errors import ConfigError, PromptError
 from specwise.serve.responses import CallWatch
@@ -31,13 +31,7 @@ from specwise.targets.tool_calls import (
 
 pytest.importorskip("llguidance")
 
-#: a Hermes-style template, as Qwen2.5's: the tools in the system turn, calls as <tool_call> blocks
-TEMPLATE = (
-    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}</tools>{% endif %}"
-    "{% for m in messages %}{% if m['tool_calls'] %}<{% for c in m['tool_calls'] %}<tool_call>\n"
-    "{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
-    "\n</tool_call>{% endfor %}>{% elif m['role'] == 'tool' %}[{{ m['content'] }}]"
-    "{% else %}<{{ m['content'] }}>{% endif %}{% endfor %}{% if add_generation_prompt %}:{% endif %}")
+TEMPLATE = TOOL_CALL_TEMPLATE
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "unit": {"enum": ["c", "f"]}},
            "required": ["city", "unit"], "additionalProperties": False}
