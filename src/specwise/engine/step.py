@@ -237,8 +237,7 @@ def _chain_if_one_branch(proposal: Proposal, budget: int) -> Proposal:
     refusal), so the output is unchanged; a budget of 0 verifies the root alone.
     """
     k = min(budget, proposal.tokens.numel())
-    parents = proposal.parents[:k]
-    if k and not bool((parents == torch.arange(k, device=parents.device)).all()):
+    if proposal.parents[:k].tolist() != list(range(k)):  # a few ints: no tensor ops on the step's path
         return proposal
     probs = None if proposal.draft_probs is None else proposal.draft_probs[:k]
     return Proposal(proposal.tokens[:k], probs, acceptance=proposal.acceptance)

@@ -60,9 +60,7 @@ class LlamaCppCache:
             if length < self.length:
                 lc.llama_memory_seq_rm(self.target.memory, self.base, length, -1)
             if self._branches is not None:
-                for seq in {s for seqs in self._branches for s in seqs} - {self.base}:
-                    lc.llama_memory_seq_rm(self.target.memory, seq, -1, -1)
-                self._branches = None
+                self._drop_branches()
             self.length = min(self.length, length)
             del self.tokens[self.length:]
 
@@ -77,9 +75,12 @@ class LlamaCppCache:
             memory = self.target.memory
             lc.llama_memory_seq_rm(memory, keep, end, -1)  # the nodes below the path on that branch
             lc.llama_memory_seq_cp(memory, keep, self.base, start, end)
-            used = {s for seqs in self._branches for s in seqs}
-            for seq in used:
-                lc.llama_memory_seq_rm(memory, seq, -1, -1)
+            self._drop_branches()
             self.tokens[start:] = [self._tree_tokens[i] for i in nodes]
         self.length = end
+
+    def _drop_branches(self) -> None:
+        """Remove every branch sequence of the last tree forward (never ``base``; the target's lock held)."""
+        for seq in {s for seqs in self._branches for s in seqs}:
+            lc.llama_memory_seq_rm(self.target.memory, seq, -1, -1)
         self._branches = None

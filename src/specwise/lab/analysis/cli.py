@@ -97,7 +97,6 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         raise ConfigError("--calibrate writes OUT/calibration.json; drop --calibration, or drop --calibrate to reuse it.")
     # fail on a bad path before slow work
     runs = [load_results(path) for path in args.overlay.split(",") if path.strip()] if args.overlay else []
-    results = runs or None
     if args.calibrate:
         calibration = _calibrate(args)
         out.mkdir(parents=True, exist_ok=True)
@@ -111,10 +110,9 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         points += predict(measured_points(run), calibration)
         notes += mismatch_notes(run, calibration)
         priced += budget_points(run, calibration.verify_cost)
-    if results is not None:
-        if not points:
-            notes.append("the bench run has no chain-drafting contender (only ar / hf-* / tree methods): "
-                         "nothing to compare.")
+    if runs and not points:
+        notes.append("the bench run has no chain-drafting contender (only ar / hf-* / tree methods): "
+                     "nothing to compare.")
     plots = [plot_verify_cost(calibration, out / "verify_cost.png"),
              plot_speedup_vs_alpha(calibration, out / "speedup_vs_alpha.png", args.ks, points),
              plot_speedup_vs_k(calibration, out / "speedup_vs_k.png")]
@@ -122,7 +120,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
                                              calibration_subtitle(calibration))] if p is not None]
     report = analysis_markdown(calibration, points, notes, plots, args.overlay)
     (out / "analysis.md").write_text(report)
-    if results is not None:
+    if runs:
         table = prediction_table(points)
         priced_table = (f"\n## The steps each run drew, priced by the cost model\n\n{BUDGETS_NOTE}\n\n"
                         f"{budget_table(priced)}\n") if priced else ""
@@ -136,7 +134,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     for note in notes:
         console.print(f"note: {note}", markup=False)
     written = ["calibration.json"] if args.calibrate else []
-    written += [p.name for p in plots] + ["analysis.md"] + (["predicted_vs_measured.md"] if results else [])
+    written += [p.name for p in plots] + ["analysis.md"] + (["predicted_vs_measured.md"] if runs else [])
     console.print(f"wrote {', '.join(written)} to {out}", markup=False)
     return 0
 

@@ -147,11 +147,11 @@ def _bench_conversations(args: argparse.Namespace) -> int:
 
         rows = run_conversations(target, contenders, conversations, max_new_tokens=args.max_new_tokens,
                                  temperature=args.temperature, seed=args.seed, on_turn=on_turn)
-    summary = summarize_turns(rows)
+    summary, machine = summarize_turns(rows), machine_info(target.device)
     header = (f"# {args.target}: {len(conversations)} conversations, {len(rows) // max(1, len(contenders))} turns, "
               f"T = {args.temperature:g}, at most {args.max_new_tokens} new tokens per turn\n\n"
-              f"`{' '.join(['specwise', *sys.argv[1:]])}` on {machine_info(target.device).get('processor', '?')}")
-    (out / "summary.json").write_text(json.dumps({"machine": machine_info(target.device), "rows": summary,
+              f"`{' '.join(['specwise', *sys.argv[1:]])}` on {machine.get('processor', '?')}")
+    (out / "summary.json").write_text(json.dumps({"machine": machine, "rows": summary,
                                                   "described": {c.name: c.describe() for c in contenders
                                                                 if c.describe is not None}}, indent=1))
     (out / "report.md").write_text(turns_markdown(summary, header))
