@@ -133,6 +133,8 @@ def round_times(url: str) -> dict | None:
 
 
 def burst(contender: Contender, model: str, prompts: list[str], clients: int, args, seed0: int) -> dict:
+    if not prompts:
+        raise SystemExit(f"no prompts left for a burst of {clients} clients: ask for fewer rounds or clients.")
     before = round_times(contender.url)
     results: list[dict] = [{}] * clients
     barrier = threading.Barrier(clients)
@@ -149,7 +151,7 @@ def burst(contender: Contender, model: str, prompts: list[str], clients: int, ar
         t.join()
     after = round_times(contender.url) if before else None
     rounds = {k: after[k] - before[k] for k in before} if after else None
-    ok = [r for r in results if "error" not in r]
+    ok = [r for r in results if r and "error" not in r]  # {}: the client's thread died before an answer
     tokens = sum(r["tokens"] or 0 for r in ok)
     wall = max(r["end"] for r in ok) - min(r["start"] for r in ok) if ok else float("nan")
     return {"contender": contender.name, "clients": clients, "errors": clients - len(ok), "tokens": tokens,
