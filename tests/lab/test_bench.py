@@ -364,3 +364,20 @@ def test_sigterm_runs_the_clis_exit_handlers(tmp_path):
         process.kill()
     assert code == 128 + signal.SIGTERM
     assert marker.read_text() == "peers stopped"
+
+
+def test_contenders_draft_across_requests_from_their_own_index():
+    """Two contenders that draft across requests, on one target and one prompt: the second never
+    drafts from the first's output (it would copy it); given one scope on purpose, it does."""
+    target = make_target("llama", eos=())
+    prompt = random_prompt(12, seed=3)
+
+    def accepted(outcome):
+        return sum(outcome.stats.accepted_by_position)
+
+    first = specwise_contender(target, "suffix", label="suffix-a", draft_budget="fixed").run(prompt, 24)
+    second = specwise_contender(target, "suffix", label="suffix-b", draft_budget="fixed").run(prompt, 24)
+    assert second.token_ids == first.token_ids
+    assert accepted(second) == accepted(first)
+    shared = specwise_contender(target, "suffix", label="suffix-c", draft_budget="fixed", scope="bench:suffix-a")
+    assert accepted(shared.run(prompt, 24)) > accepted(first)

@@ -11,6 +11,7 @@ import torch
 from transformers import GenerationConfig
 
 from specwise.api import build_drafter, generate
+from specwise.drafters.base import METHODS
 from specwise.drafters.checkpoint import is_checkpoint, shipped_drafter
 from specwise.drafters.spec import split_spec
 from specwise.errors import ConfigError, DrafterError
@@ -50,8 +51,14 @@ def specwise_contender(target, method: str, label: str | None = None, constraine
     """A specwise method with fixed options; its drafter is built once and reused. With
     ``constrained=False`` (``ar[constrained=false]``) it ignores the run's ``response_format``: the
     unconstrained reference a constrained run's mask cost is measured against. ``draft_budget``
-    is :func:`specwise.generate`'s (``eagle[draft_budget=fixed]``: the method's own draft sizes)."""
+    is :func:`specwise.generate`'s (``eagle[draft_budget=fixed]``: the method's own draft sizes).
 
+    A method that drafts across requests (``suffix``, ``auto``) reads and fills an index of its
+    own, scoped by the contender's name unless ``scope`` is given: contenders on one target never
+    draft from each other's outputs (on the same prompt they would copy one another's text)."""
+
+    if "scope" not in options and "scope" in METHODS.get(method).option_names:
+        options = {**options, "scope": f"bench:{label or method}"}
     drafter = build_drafter(target, method, **options)
 
     def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, response_format=None, **sampling):

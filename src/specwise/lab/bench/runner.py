@@ -120,8 +120,11 @@ def run_benchmark(
     """
     encoded = [target.encode_chat([{"role": "user", "content": p.prompt}]) if chat else target.encode(p.prompt)
                for p in prompts]
-    for contender in contenders:  # warm-up
-        contender.run(encoded[0], min(16, max_new_tokens), temperature=temperature, seed=seed, ignore_eos=ignore_eos,
+    # warm-up on a text of no prompt's: a contender drafting across requests keeps what it wrote
+    warm = "Say hello in one short sentence."
+    warm_ids = target.encode_chat([{"role": "user", "content": warm}]) if chat else target.encode(warm)
+    for contender in contenders:
+        contender.run(warm_ids, min(16, max_new_tokens), temperature=temperature, seed=seed, ignore_eos=ignore_eos,
                       response_format=response_format)
     records: list[RunRecord] = []
     total, done = len(prompts) * len(contenders), 0
