@@ -30,9 +30,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 import weakref
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -63,6 +65,17 @@ MIN_REUSED = 16
 PREFILL_CHUNK = 128
 #: ggml's name of the final normed hidden state (the LM head's input)
 FINAL_NORM = b"result_norm"
+#: host memory the finished generations' caches kept for prefix reuse may take (bytes; oldest dropped first)
+KEPT_BYTES = 1 << 30
+
+
+@dataclass
+class _Kept:
+    """A finished generation's committed sequence, kept in host memory for prefix reuse: its tokens
+    and its cells' keys and values as llama.cpp serializes one sequence (``llama_state_seq_get_data``)."""
+
+    tokens: list[int]
+    state: np.ndarray  # [bytes] uint8
 
 
 class LlamaCppTarget(TextCodec):
@@ -79,8 +92,16 @@ class LlamaCppTarget(TextCodec):
         dtype: what :attr:`dtype` reports, the dtype drafters compute in (``None``:
             :func:`drafter_dtype`); logits are float32 whatever it is.
         prefix_reuse: a prompt that begins with tokens another generation's committed sequence
-            holds (running, or finished and its range not reused yet) takes their cached keys and
-            values by a sequence copy instead of decoding them (:data:`MIN_REUSED` tokens at least).
+            holds (running, or finished and kept) takes their cached keys and values instead of
+            decoding them (:data:`MIN_REUSED` tokens at least): a running generation's by a
+            sequence copy. A finished generation's cells go to host memory (``kept_bytes`` at
+            most, the oldest dropped first) and come back on a match, so the pool holds running
+            generations only: a decode's attention spans every used cell of the pool, and cells
+            kept there slowed the others (docs/benchmarks/serve-concurrency-report.md, "Stop 70").
+            A model with sliding-window layers keeps them in the pool instead, until its range is
+            needed: llama.cpp writes a sequence's state without the cells its window no longer
+            sees, so a copy could not be cut back to a shorter prefix.
+        kept_bytes: host memory for the finished generations' caches (:data:`KEPT_BYTES`).
 
     Raises:
         TargetLoadError: llama-cpp-python is missing, or llama.cpp cannot load the file.
@@ -95,7 +116,7 @@ class LlamaCppTarget(TextCodec):
 
     def __init__(self, path: str | Path, tokenizer, name: str, *, n_ctx: int | None = None,
                  threads: int | None = None, repack: bool | None = None, dtype: torch.dtype | None = None,
-                 prefix_reuse: bool = True) -> None:
+                 prefix_reuse: bool = True, kept_bytes: int = KEPT_BYTES) -> None:
         load_backends()
         self._dtype = drafter_dtype() if dtype is None else dtype
         self.path, self.tokenizer, self.name = Path(path), tokenizer, name
@@ -132,6 +153,11 @@ class LlamaCppTarget(TextCodec):
         self.reused_tokens = 0  # prompt tokens taken from cached sequences instead of decoded
         self._live: dict[int, list[int]] = {}  # slot -> its committed tokens (running generations)
         self._kept: dict[int, list[int]] = {}  # free slot -> the tokens its committed sequence still holds
+        # finished generations' committed sequences in host memory, oldest first (a number each)
+        self._host: OrderedDict[int, _Kept] = OrderedDict()
+        self._host_count = 0
+        self.kept_bytes = kept_bytes
+        self._keeps_in_host = int(lc.llama_model_n_swa(self.model)) == 0
         self._batch = lc.llama_batch_init(BATCH_TOKENS, 0, SEQUENCES_PER_GENERATION)
         self._engine = EngineThread(f"specwise-llamacpp-{name}")
         self._batcher = DecodeBatcher(self._decode_on_engine)
@@ -253,17 +279,53 @@ class LlamaCppTarget(TextCodec):
         base = slot * SEQUENCES_PER_GENERATION
         tokens = self._live.pop(slot, [])
         keep = self.prefix_reuse and len(tokens) >= MIN_REUSED
+        if keep and self._keeps_in_host:
+            self._keep_in_host(base, tokens)
+            keep = False
         for seq in range(base + 1 if keep else base, base + SEQUENCES_PER_GENERATION):
             lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
         if keep:  # its committed sequence stays until the range is needed again
             self._kept[slot] = tokens
         self._free_slots.append(slot)
 
+    def _keep_in_host(self, seq: int, tokens: list[int]) -> None:
+        """Copy sequence ``seq``'s cells to host memory, dropping the oldest copies past
+        :attr:`kept_bytes` (the lock held)."""
+        # positions 0 .. len(tokens) - 1 exactly: a failed decode's undo may leave the list longer
+        held = int(lc.llama_memory_seq_pos_max(self.memory, seq)) + 1
+        if int(lc.llama_memory_seq_pos_min(self.memory, seq)) != 0 or min(held, len(tokens)) < MIN_REUSED:
+            return
+        tokens = tokens[:held]
+        lc.llama_memory_seq_rm(self.memory, seq, len(tokens), -1)
+        size = int(lc.llama_state_seq_get_size(self.ctx, seq))
+        if not 0 < size <= self.kept_bytes:
+            return
+        state = np.empty(size, dtype=np.uint8)
+        if lc.llama_state_seq_get_data(self.ctx, state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, seq) != size:
+            return
+        self._host_count += 1
+        self._host[self._host_count] = _Kept(list(tokens), state)
+        while sum(entry.state.nbytes for entry in self._host.values()) > self.kept_bytes:
+            self._host.popitem(last=False)
+
+    def _restore(self, number: int, seq: int, length: int) -> bool:
+        """Host copy ``number`` into the empty sequence ``seq``, cut to its first ``length``
+        positions (the lock held); ``False`` (the sequence left empty) where the pool has no room."""
+        state = self._host[number].state
+        self._host.move_to_end(number)  # the most recently used is dropped last
+        pointer = state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if lc.llama_state_seq_set_data(self.ctx, pointer, state.nbytes, seq) != state.nbytes:
+            lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
+            return False
+        lc.llama_memory_seq_rm(self.memory, seq, length, -1)
+        return True
+
     def _reuse_prefix(self, tokens: list[int], cache: LlamaCppCache) -> int:
         """Fill an empty cache with the longest prefix of ``tokens`` that a committed sequence
-        (running or kept) holds, by a sequence copy (the cells are shared, nothing is decoded);
-        at most ``len(tokens) - 1`` (the last token is decoded for its logits). Returns its length."""
-        best, source = 0, None
+        (running or kept) holds, at most ``len(tokens) - 1`` (the last token is decoded for its
+        logits): by a sequence copy from the pool (the cells are shared) or from a host copy;
+        nothing is decoded. Returns its length."""
+        best, source, copy = 0, None, None
         with self.lock:
             for slot, held in list(self._live.items()) + list(self._kept.items()):
                 if slot == cache.slot:
@@ -271,9 +333,16 @@ class LlamaCppTarget(TextCodec):
                 same = _common_prefix(held, tokens, len(tokens) - 1)
                 if same > best:
                     best, source = same, slot
+            for number, entry in reversed(self._host.items()):  # the newest first: it wins a tie
+                same = _common_prefix(entry.tokens, tokens, len(tokens) - 1)
+                if same > best:
+                    best, copy = same, number
             if best < MIN_REUSED:
                 return 0
-            lc.llama_memory_seq_cp(self.memory, source * SEQUENCES_PER_GENERATION, cache.base, 0, best)
+            if copy is None:
+                lc.llama_memory_seq_cp(self.memory, source * SEQUENCES_PER_GENERATION, cache.base, 0, best)
+            elif not self._restore(copy, cache.base, best):
+                return 0
             self.reused_tokens += best
         return best
 
@@ -464,9 +533,11 @@ class LlamaCppTarget(TextCodec):
 
     @property
     def kept_tokens(self) -> int:
-        """Tokens the pool keeps of finished generations, for later prompts that share a prefix
-        (bounded: one committed sequence per free generation range, at most :data:`GENERATIONS`)."""
-        return sum(len(tokens) for tokens in list(self._kept.values()))
+        """Tokens of finished generations kept for later prompts that share a prefix: in host
+        memory (bounded by :attr:`kept_bytes`), or for a model with sliding-window layers in the
+        pool (one committed sequence per free generation range, at most :data:`GENERATIONS`)."""
+        return (sum(len(tokens) for tokens in list(self._kept.values()))
+                + sum(len(entry.tokens) for entry in list(self._host.values())))
 
     @property
     def batch_rounds(self) -> int:
