@@ -281,10 +281,10 @@ class LlamaCppTarget(TextCodec):
         keep = self.prefix_reuse and len(tokens) >= MIN_REUSED
         if keep and self._keeps_in_host:
             self._keep_in_host(base, tokens)
-            keep = False
-        for seq in range(base + 1 if keep else base, base + SEQUENCES_PER_GENERATION):
+        in_pool = keep and not self._keeps_in_host
+        for seq in range(base + 1 if in_pool else base, base + SEQUENCES_PER_GENERATION):
             lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
-        if keep:  # its committed sequence stays until the range is needed again
+        if in_pool:  # its committed sequence stays until the range is needed again
             self._kept[slot] = tokens
         self._free_slots.append(slot)
 
