@@ -471,6 +471,32 @@ def batched_server(tmp_path_factory):
         yield target, url
 
 
+def test_a_request_is_prepared_on_a_thread_that_ends(batched_server, monkeypatch):
+    # a persistent thread that ran one of torch's parallel ops keeps an OpenMP pool, which slows
+    # every later ggml decode (docs/serve.md, "Threads"): prepare runs on a thread of its own
+    import httpx
+
+    import specwise.serve.app as app_module
+
+    _, url = batched_server
+    threads: list[threading.Thread] = []
+
+    def recorded(*args):
+        threads.append(threading.current_thread())
+        return prepare(*args)
+
+    prepare = app_module.prepare
+    monkeypatch.setattr(app_module, "prepare", recorded)
+    for _ in range(2):
+        reply = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "t9 t17", "max_tokens": 4,
+                                                          "temperature": 0}, timeout=60)
+        assert reply.status_code == 200, reply.text
+    assert len(threads) == 2 and threads[0] is not threads[1]
+    for thread in threads:
+        thread.join(timeout=5)
+        assert not thread.is_alive() and thread.name == "specwise-prepare"
+
+
 def test_concurrent_requests_to_a_batching_server_get_their_own_text(batched_server):
     import httpx
 

@@ -3,7 +3,8 @@
 ``create_app`` wires the routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST
 /v1/chat/completions``, ``GET /health``, ``GET /metrics``. The API key is checked before the body
 is read (:class:`_ApiKey`), oversized bodies are refused unread (:class:`_BodyLimit`); a request
-is then checked and tokenized off the event loop (:func:`specwise.serve.requests.prepare`), queued
+is then checked and tokenized off the event loop, on a thread of its own
+(:func:`specwise.serve.requests.prepare`, :mod:`specwise.serve.own_thread`), queued
 for the one :class:`~specwise.serve.worker.GenerationWorker`, and answered as JSON or as
 Server-Sent Events (:mod:`specwise.serve.responses`).
 """
@@ -25,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specwise.serve.metrics import ServerMetrics
+from specwise.serve.own_thread import in_own_thread
 from specwise.serve.page import page_html
 from specwise.serve.protocol import ApiError, ChatRequest, CompletionRequest, now
 from specwise.serve.requests import Limits, prepare
@@ -157,7 +159,7 @@ class Service:
         """
         endpoint = "/v1/chat/completions" if chat else "/v1/completions"
         tenant = request.scope.get("state", {}).get(TENANT, "")
-        prepared = await asyncio.to_thread(prepare, self.target, body, chat, self.limits, tenant, self.worker.drafter)
+        prepared = await in_own_thread(prepare, self.target, body, chat, self.limits, tenant, self.worker.drafter)
         job = Job(prepared.request_id, prepared.request, deadline=float("inf"), loop=asyncio.get_running_loop(),
                   stream=body.stream, user=body.user, origins=bool(body.speculative and body.speculative.origins))
         self.worker.submit(job)
