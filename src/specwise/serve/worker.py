@@ -39,6 +39,7 @@ from specwise.request import GenerationRequest, run_request
 from specwise.serve.origins import TokenSpans
 from specwise.serve.protocol import ApiError
 from specwise.targets.measured import verify_costs
+from specwise.targets.openmp import openmp_runtimes, release_pool
 
 log = logging.getLogger("specwise.serve")
 
@@ -178,6 +179,9 @@ class GenerationWorker:
         for drafter in self._drafters.values():  # auto's first measurement (greedy), once per machine:
             if hasattr(drafter, "calibrate"):  # now, not in a batch whose steps time the others too
                 drafter.calibrate(SamplingConfig())
+        # what was measured here ran on this thread, which stays: its idle OpenMP workers would slow
+        # every generation's own team (specwise.targets.openmp)
+        release_pool(openmp_runtimes())
         if thread:
             self._thread.start()
 

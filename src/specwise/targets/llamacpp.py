@@ -53,6 +53,7 @@ from specwise.targets.chat import TextCodec
 from specwise.targets.gguf_parts import GGUFParts
 from specwise.targets.llamacpp_backend import drafter_dtype, lc, load_backends, loaded_cpu_variant, repack_by_default
 from specwise.targets.llamacpp_cache import SEQUENCES_PER_GENERATION, LlamaCppCache
+from specwise.targets.openmp import openmp_runtimes, release_pool
 from specwise.targets.llamacpp_taps import Taps
 
 #: generations one context serves at once (each with its own range of sequence ids)
@@ -160,6 +161,8 @@ class LlamaCppTarget(TextCodec):
         self._keeps_in_host = int(lc.llama_model_n_swa(self.model)) == 0
         self._batch = lc.llama_batch_init(BATCH_TOKENS, 0, SEQUENCES_PER_GENERATION)
         self._engine = EngineThread(f"specwise-llamacpp-{name}")
+        self._openmp = openmp_runtimes()
+        self._engine_pool = False  # whether the engine thread ran rounds since it last let its pool go
         self._batcher = DecodeBatcher(self._decode_on_engine)
         # the pool's cells (the unified cache holds max_context) and ranges, reserved by the
         # generations a batch admits (the worker, generate_many)
@@ -426,10 +429,16 @@ class LlamaCppTarget(TextCodec):
         """:meth:`_decode_many`, on the target's engine thread while several generations take turns
         running the rounds (:class:`specwise.targets.batching.EngineThread`: ggml's OpenMP team stays
         one), else on the calling thread: alone, a generation's thread is the only one calling, so
-        there is no other team to spin, and a hop per step would only add its wake-ups."""
+        there is no other team to spin, and a hop per step would only add its wake-ups. The first
+        lone decode after rounds has the engine thread let its pool go first
+        (:mod:`specwise.targets.openmp`)."""
         if self._batcher.members < 2:
+            if self._engine_pool:  # its idle OpenMP workers would slow this thread's team (openmp.py)
+                self._engine_pool = False
+                self._engine.call(lambda: release_pool(self._openmp))
             self._decode_many(requests)
         else:
+            self._engine_pool = True
             self._engine.call(lambda: self._decode_many(requests))
 
     def _decode_many(self, requests: list) -> None:

@@ -1,0 +1,51 @@
+"""The OpenMP runtime ggml's CPU kernels share with torch in this process, and the one thing asked
+of it: that a thread done with it lets its pool of workers go.
+
+Each thread that starts a parallel region (a ggml forward, or a torch op over more than ~32,768
+elements) keeps a pool of idle workers for as long as it lives. libgomp counts them all, and once it
+manages more threads than the machine has cores it cuts every team's spin-wait short, so ggml's
+barriers (hundreds per forward) sleep and wake instead of spinning: measured on Qwen2.5-Coder-1.5B,
+one idle pool left on another thread slowed every later one-token decode from ~33-36 to ~40-45 ms
+(docs/serve.md, "Threads"). A thread that ends takes its pool with it; a thread that stays (the
+engine's round thread, the server's main thread) releases it with :func:`release_pool`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+#: ``omp_pause_soft`` (OpenMP 5.0): the runtime may free the calling thread's resources
+_PAUSE_SOFT = 1
+
+
+def openmp_runtimes(maps: str | None = None) -> tuple[ctypes.CDLL, ...]:
+    """The libgomp copies loaded in this process (torch brings one; ggml binds to it by its soname),
+    already loaded, never loaded here; empty where there is none (another runtime, or none).
+
+    Args:
+        maps: ``/proc/self/maps``'s text (read when ``None``; unreadable: no runtimes).
+    """
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return ()
+    paths = sorted({line.split()[-1] for line in maps.splitlines() if "libgomp" in line and "/" in line})
+    runtimes = []
+    for path in paths:
+        try:
+            library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            library.omp_pause_resource_all.argtypes = [ctypes.c_int]
+            library.omp_pause_resource_all.restype = ctypes.c_int
+        except (OSError, AttributeError):  # gone meanwhile, or older than OpenMP 5.0's pause
+            continue
+        runtimes.append(library)
+    return tuple(runtimes)
+
+
+def release_pool(runtimes: tuple[ctypes.CDLL, ...]) -> bool:
+    """Let the calling thread's idle OpenMP workers exit (its next parallel region starts new ones).
+    Call it outside any parallel region. Returns whether every runtime agreed (``True`` for none)."""
+    return all(runtime.omp_pause_resource_all(_PAUSE_SOFT) == 0 for runtime in runtimes)

@@ -1,0 +1,56 @@
+"""The calling thread's OpenMP pool let go (specwise.targets.openmp)."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+from specwise.targets.openmp import openmp_runtimes, release_pool
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_no_runtime_found_in_maps_without_one_and_releasing_none_is_fine():
+    assert openmp_runtimes("") == ()
+    assert openmp_runtimes("7f00-7f01 r-xp 0 00:00 0 /usr/lib/libc.so.6\n") == ()
+    assert release_pool(()) is True
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="counts threads through /proc")
+def test_a_thread_that_stays_lets_its_idle_workers_go():
+    runtimes = openmp_runtimes()
+    if not runtimes or (os.cpu_count() or 1) < 2:
+        pytest.skip("needs torch on libgomp and two cores")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite runs torch on one thread (conftest)
+    try:
+        _check_released(runtimes)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_released(runtimes) -> None:
+    counts, go_on, done = {}, threading.Event(), threading.Event()
+
+    def stays():
+        float(torch.ones(1 << 20).mul(2).sum())  # a parallel region: this thread now keeps a pool
+        counts["with pool"] = _threads()
+        counts["released"] = release_pool(runtimes)
+        go_on.wait(5)  # the pool's workers exit while this thread lives on
+        counts["after"] = _threads()
+        done.set()
+
+    thread = threading.Thread(target=stays)
+    thread.start()
+    for _ in range(50):
+        if "released" in counts:
+            break
+        threading.Event().wait(0.05)
+    threading.Event().wait(0.2)
+    go_on.set()
+    thread.join(10)
+    assert counts["released"] is True
+    assert counts["after"] < counts["with pool"]
