@@ -53,8 +53,8 @@ from specwise.targets.chat import TextCodec
 from specwise.targets.gguf_parts import GGUFParts
 from specwise.targets.llamacpp_backend import drafter_dtype, lc, load_backends, loaded_cpu_variant, repack_by_default
 from specwise.targets.llamacpp_cache import SEQUENCES_PER_GENERATION, LlamaCppCache
-from specwise.targets.openmp import openmp_runtimes, release_pool
 from specwise.targets.llamacpp_taps import Taps
+from specwise.targets.openmp import openmp_runtimes, release_pool
 
 #: generations one context serves at once (each with its own range of sequence ids)
 GENERATIONS = 8  # x SEQUENCES_PER_GENERATION = 256, the most sequences a llama.cpp context takes
