@@ -4,9 +4,9 @@ of it: that a thread done with it lets its pool of workers go.
 Each thread that starts a parallel region (a ggml forward, or a torch op over more than ~32,768
 elements) keeps a pool of idle workers for as long as it lives. libgomp counts them all, and once it
 manages more threads than the machine has cores it cuts every team's spin-wait short, so ggml's
-barriers (hundreds per forward) sleep and wake instead of spinning: measured on Qwen2.5-Coder-1.5B,
-one idle pool left on another thread slowed every later one-token decode from ~33-36 to ~40-45 ms
-(docs/serve.md, "Threads"). A thread that ends takes its pool with it; a thread that stays (the
+barriers (hundreds per forward) sleep and wake instead of spinning: one idle pool left on another
+thread slows every later decode (measured in docs/serve.md, "Threads"). A thread that ends takes
+its pool with it; a thread that stays (the
 engine's round thread, the server's main thread) releases it with :func:`release_pool`.
 """
 
