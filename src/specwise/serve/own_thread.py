@@ -1,12 +1,9 @@
 """Blocking work for the event loop on a thread that ends with it.
 
-Why not asyncio's default executor: its threads live on, and a thread that has run one of torch's
-parallel operations (any op over more than ~32,768 elements, e.g. a grammar's first token mask
-over the vocabulary) keeps a pool of OpenMP workers for as long as it lives. torch and the
-llama.cpp engine's ggml share one OpenMP runtime (libgomp) in the process, and libgomp shortens
-every team's spin-wait once it manages more threads than the machine has cores: ggml's barriers,
-hundreds per forward, then sleep and wake instead of spinning. A thread that ends takes its pool
-with it. Measured in docs/serve.md ("Threads").
+Why not asyncio's default executor: its threads live on, and one that has run a parallel torch op
+(e.g. a grammar's first token mask over the vocabulary) keeps an idle OpenMP pool that slows
+every later ggml forward (:mod:`specwise.targets.openmp`). A thread that ends takes its pool with
+it.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ elements) keeps a pool of idle workers for as long as it lives. libgomp counts t
 manages more threads than the machine has cores it cuts every team's spin-wait short, so ggml's
 barriers (hundreds per forward) sleep and wake instead of spinning: one idle pool left on another
 thread slows every later decode (measured in docs/serve.md, "Threads"). A thread that ends takes
-its pool with it; a thread that stays (the
-engine's round thread, the server's main thread) releases it with :func:`release_pool`.
+its pool with it; a thread that stays (the engine's round thread, the server's main thread)
+releases it with :func:`release_pool`.
 """
 
 from __future__ import annotations
