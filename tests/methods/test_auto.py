@@ -459,3 +459,22 @@ def test_the_floor_is_left_only_for_a_candidate_faster_on_the_same_texts(ratio, 
     result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW, draft_budget="measured")
     assert result.token_ids == list(continuation)
     assert result.stats.method_steps[0][0] == runs
+
+
+def test_the_running_candidate_is_compared_with_the_others_on_the_same_texts():
+    """A candidate is remembered from the texts it was chosen for (prompt lookup from copy-heavy
+    ones, fast): once another runs, the others are predicted from the first measurement's ratios,
+    scaled by the running one's speed on this text, so the remembered speed of the floor does not
+    pull ``auto`` off a candidate that is faster on the same texts."""
+    target, prompt, continuation = _setup()
+    clock = FakeClock()
+    pld = PromptLookupDrafter(target, PromptLookupConfig())
+    other = PromptLookupDrafter(target, PromptLookupConfig())  # proposes what pld does
+    auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "pld": Costly(pld, clock, 1.0),
+                  "other": Costly(other, clock, 1.0)}, clock, decide_every=8)
+    for spec in ("ar", "pld", "other"):
+        _measured(auto.profile, spec, 1.0, 1.0 / 3.0 if spec == "pld" else 1.0, 50)  # pld's from easy texts
+        _calibrated(auto.profile, spec, 1.0, 1.0 / 1.5 if spec == "other" else 1.0)
+    result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW, draft_budget="measured")
+    assert result.token_ids == list(continuation)
+    assert [method for method, _ in result.stats.method_steps] == ["other"]

@@ -7,11 +7,11 @@ target is unpredictable): no fixed choice is best everywhere. ``auto`` runs one 
 a time and keeps, per candidate and sampling regime (:func:`specwise.methods.auto.profile.regime`),
 the tokens per step and seconds per step it has measured (:class:`AutoProfile`, remembered in the
 cache across requests and processes). Every ``decide_every`` steps it compares the running method,
-by its last ``decide_every`` steps on this text, with the others by their remembered speed (or, for
-one it left in this generation, by its speed on this text), and switches when the other is
-predicted faster by ``margin`` even against the upper end of the running method's scatter (a
-sampled segment's speed scatters widely: one unlucky segment is no reason to leave), the cost of
-rebuilding the other's state counted. Plain decoding (``ar``) is a candidate, so when no drafter is
+by its last ``decide_every`` steps on this text, with the others as they compared with it on the
+same built-in texts (or, for one it left in this generation, by its speed on this text), and
+switches when the other is predicted faster by ``margin`` even against the upper end of the
+running method's scatter (a sampled segment's speed scatters widely: one unlucky segment is no
+reason to leave), the cost of rebuilding the other's state counted. Plain decoding (``ar``) is a candidate, so when no drafter is
 predicted to win, ``auto`` decodes plainly. A candidate with fewer than ``probe_steps`` measured
 steps in the regime is run for that many first, and once more in a later generation
 (:data:`PROBE_TEXTS`), plain decoding last: with the profile, this happens on the first two
@@ -433,10 +433,11 @@ class AutoRun:
         """The candidate to run next: one still to probe in this regime (:meth:`_probe_length`; plain
         decoding last), else the predicted fastest.
 
-        Others are predicted by their remembered speed, or, if one was left in this generation for
-        cause, by its speed on this text. The running one is judged by its last segment here, at the
-        upper end of that segment's scatter (:data:`EVIDENCE` standard errors), and is left only when
-        another beats that by ``margin`` with its rebuild counted.
+        The running one is judged by its last segment here, at the upper end of that segment's
+        scatter (:data:`EVIDENCE` standard errors); the others by how they compared with it on the
+        built-in texts (:meth:`_relative_to`; by their remembered speed where that measurement is
+        missing), or, if one was left in this generation for cause, by its speed on this text. The
+        running one is left only when another beats it by ``margin`` with its rebuild counted.
         """
         cfg = self.config
         live = {spec: self.profile.get(self._mode, spec) for spec in self._choosable}
@@ -466,8 +467,10 @@ class AutoRun:
         rates.update(self._this_text)
         if measured:  # this text, at the upper end of the segment's scatter
             rates[current] = recent.rate + EVIDENCE * recent.rate_error
-        if self._floor is not None and current in (None, self._floor):
-            self._relative_to_floor(rates)
+        # the others, relative to the running candidate measured on this text (else the floor)
+        anchor = current if measured else self._floor
+        if anchor is not None and (current is None or anchor == current):
+            self._relative_to(anchor, rates)
         best = max(rates, key=rates.__getitem__)
         if current is None and self._floor is not None:  # leaving the floor must pay, from the start too
             return best if (1.0 - cfg.margin) * rates[best] > rates[self._floor] else self._floor
@@ -480,20 +483,22 @@ class AutoRun:
         stay_s, move_s = tokens / rates[current], tokens / rates[best] + rebuild_s
         return best if move_s < (1.0 - cfg.margin) * stay_s else current
 
-    def _relative_to_floor(self, rates: dict[str, float]) -> None:
-        """Predict the candidates other than the floor from how they compared with it on the same
-        built-in texts (the first measurement, :func:`calibrated`), scaled by the floor's predicted
-        speed here (one left in this generation keeps its speed on this text). Speeds remembered
-        from different texts do not compare: a step costs more as the context grows, and the floor,
-        running most, is remembered from longer contexts than the others."""
+    def _relative_to(self, anchor: str, rates: dict[str, float]) -> None:
+        """Predict the candidates other than ``anchor`` (the running one, measured on this text, or
+        the floor at the start) from how they compared with it on the same built-in texts (the
+        first measurement, :func:`calibrated`), scaled by ``anchor``'s predicted speed here (one left
+        in this generation keeps its speed on this text). Speeds remembered from different texts do
+        not compare: a step costs more as the context grows, and a candidate is remembered from the
+        texts ``auto`` chose it on (prompt lookup from copy-heavy ones, so that it looked faster than
+        suffix decoding on texts where suffix decoding ran faster)."""
         mode = calibrated(self._mode)
-        base = self.profile.get(mode, self._floor).rate
+        base = self.profile.get(mode, anchor).rate
         if base <= 0:
             return
         for spec in rates:
             measured = self.profile.get(mode, spec).rate
-            if spec != self._floor and spec not in self._this_text and measured > 0:
-                rates[spec] = rates[self._floor] * measured / base
+            if spec != anchor and spec not in self._this_text and measured > 0:
+                rates[spec] = rates[anchor] * measured / base
 
     def _probe_length(self, spec: str) -> int:
         """Steps ``spec`` still has to be probed for (0: none): what its measurement in the regime
