@@ -41,10 +41,12 @@ def test_drafting_cost_is_measured_in_target_steps_beyond_a_step_without_drafts(
 
 def test_a_lone_generation_is_the_batch_of_one():
     steep = BatchLoad(STEEP, batch_size=lambda: 1).join()
+    steep.cost.record(True, draft_s=0.05, verify_s=0.02, relative_cost=1.0)  # the first: catching up, not counted
     steep.cost.record(True, draft_s=0.01, verify_s=0.02, relative_cost=1.0)  # drafting costs half a step
     assert [steep.budget(8) for _ in range(15)] == [0] * 15  # plain decoding ...
     assert steep.budget(8) == 2  # ... with a small probe now and then, so acceptance is still seen
     cheap = BatchLoad(STEEP, batch_size=lambda: 1).join()
+    cheap.cost.record(True, draft_s=0.05, verify_s=0.02, relative_cost=1.0)  # catching up on the prompt
     cheap.cost.record(True, draft_s=0.0001, verify_s=0.02, relative_cost=1.0)
     assert [cheap.budget(8) for _ in range(20)] == [0] * 20 and cheap.shadowing  # drafts unverified instead
     cheap.record(0, 0, [7, 8, 9], [7], method=None)  # a shadowed chain whose first draft came true ...
@@ -219,3 +221,16 @@ def test_a_generation_that_never_drafts_takes_no_share_of_the_drafts():
     assert ar_share.wanted == 0 and not ar_share.budgets
     pld_share.budget(8)
     assert pld_share.wanted == 8
+
+
+def test_a_drafters_first_drafting_is_not_its_cost_and_a_shadow_asks_for_a_few_drafts():
+    """The first step a method drafts it catches up on the context (a lookup indexes the prompt):
+    counted, that one step would price a cheap drafter out of shadowing for a whole short text."""
+    from specwise.engine.load import SHADOW_DRAFTS
+    from specwise.engine.loop import _budget
+
+    share = BatchLoad(STEEP, batch_size=lambda: 1).join()
+    share.record(0, 0, None, [1], timing=(8, 0, 0.01, 0.02), method="pld")  # half a step, once
+    share.record(0, 0, None, [1], timing=(8, 0, 0.0001, 0.02), method="pld")
+    assert share.cost.cheap()
+    assert _budget(100, share, "pld") == (0, SHADOW_DRAFTS)  # shadowed, with a short chain

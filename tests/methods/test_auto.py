@@ -372,29 +372,30 @@ def test_the_default_candidates_come_from_the_registry(monkeypatch):
     """A method is a default candidate because its registration says so: a new one registered (a
     test-only method here) is probed without ``auto`` naming it; ``auto`` itself is not one."""
     assert "auto" not in default_candidates() and default_candidates()[0] == "ar"
-    assert {"pld", "lookahead", "draft", "eagle", "medusa", "dflash"} <= set(default_candidates())
+    assert {"suffix", "lookahead", "draft", "eagle", "medusa", "dflash"} <= set(default_candidates())
+    assert "pld" not in default_candidates()  # suffix decoding drafts from the context as it does, and more
     ar = METHODS.get("ar")
     monkeypatch.setitem(METHODS._specs, "echo", MethodSpec("echo", ar.config_cls, ar.factory, "test only", order=11))
     monkeypatch.setitem(METHODS._specs, "hidden", MethodSpec("hidden", ar.config_cls, ar.factory, "test only",
                                                               auto_candidate=False))
-    assert default_candidates()[:3] == ["ar", "pld", "echo"] and "hidden" not in default_candidates()
+    assert default_candidates()[:3] == ["ar", "echo", "suffix"] and "hidden" not in default_candidates()
 
 
-def test_under_the_cost_model_prompt_lookup_stands_in_for_plain_decoding():
+def test_under_the_cost_model_suffix_decoding_stands_in_for_plain_decoding():
     """Sized drafts: auto measures its candidates once on built-in texts (not plain decoding, which
-    the floor replaces), never runs ``ar``, and stays exact."""
+    the floor, suffix decoding, replaces), never runs ``ar``, and stays exact."""
     target = make_target("llama", eos=())
     prompt = repetitive_prompt(40)
     reference = specwise.generate(target, prompt, method="ar", max_new_tokens=NEW)
     auto = specwise.build_drafter(target, "auto", remember=False, decide_every=4)
-    assert auto.unmeasured("greedy") == ["pld", "suffix", "lookahead"]
+    assert auto.unmeasured("greedy") == ["suffix", "lookahead"]
     for _ in range(2):
         result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW, draft_budget="measured")
         assert result.token_ids == reference.token_ids
         assert "ar" not in {m for m, _ in result.stats.method_steps}
     assert auto.unmeasured("greedy") == [] and auto.calibrate(SamplingConfig()) == 0.0
     assert auto.profile.get("greedy", "ar").steps == 0
-    assert auto.profile.get("greedy", "pld").texts >= PROBE_TEXTS
+    assert auto.profile.get("greedy", "suffix").texts >= PROBE_TEXTS
 
 
 def test_with_drafts_as_proposed_or_without_the_floor_plain_decoding_stays_a_candidate():

@@ -50,8 +50,15 @@ PRIOR = (1.0, 1.0)
 EXPLORE = (16, 2)
 #: a drafter whose drafting costs less than this share of a target step drafts on steps held at 0
 #: drafts too, unverified: its first path is compared with the tokens the target emits (evidence
-#: for free where a probe's verified rows are dear; a costlier drafter gets :data:`EXPLORE` probes)
-SHADOW_COST = 0.02
+#: almost for free where a probe's verified rows are dear; a costlier drafter gets :data:`EXPLORE`
+#: probes). Prompt lookup and suffix decoding cost about 2% of a one-token step of the smallest
+#: target on a fast CPU: under a 2% bound they went without shadows and drafted nothing for most
+#: of a short text, waiting for probes (docs/tuning.md)
+SHADOW_COST = 0.05
+#: the most drafts a shadow asks for: enough evidence for the acceptance estimate, which it gets
+#: once the shadow is resolved (its first refused draft, or its last one come true), so a long
+#: copied chain does not keep it waiting for tens of steps
+SHADOW_DRAFTS = 8
 #: the most drafts the rule gives one generation per step, and the most tokens one batched step verifies
 MAX_DRAFTS, MAX_STEP_TOKENS = 64, 512
 
@@ -230,13 +237,21 @@ class DraftCost:
     drafting: float | None = None
     idle: float = 0.0
     step: float | None = None
+    caught_up: bool = False  # the method has drafted once (its first drafting is not counted)
 
     def record(self, drafted: bool, draft_s: float, verify_s: float, relative_cost: float) -> None:
         """Count one step: whether it drafted, its drafting and verification seconds, and ``v(n)``
-        of the forward that verified it (so ``verify_s / relative_cost`` is a one-token step)."""
+        of the forward that verified it (so ``verify_s / relative_cost`` is a one-token step).
+
+        A method's first drafting is not its cost per step: a drafter catches up on the whole
+        context there (suffix decoding and prompt lookup index the prompt), and counted, that one
+        step marked a cheap drafter dear for the rest of a short generation (its decayed average
+        moves only on steps that draft, and it was then given none to shadow)."""
         unit = verify_s / max(relative_cost, 1e-9)
         self.step = unit if self.step is None else DECAY * self.step + (1 - DECAY) * unit
-        if drafted:
+        if drafted and not self.caught_up:
+            self.caught_up = True
+        elif drafted:
             self.drafting = draft_s if self.drafting is None else DECAY * self.drafting + (1 - DECAY) * draft_s
         else:
             self.idle = DECAY * self.idle + (1 - DECAY) * draft_s

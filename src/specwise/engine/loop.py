@@ -24,7 +24,7 @@ from specwise.engine.capacity import cell_limit
 from specwise.engine.clock import DeviceClock
 from specwise.engine.drafter import Drafter
 from specwise.engine.grammar import Grammar, GrammarState
-from specwise.engine.load import LoadShare
+from specwise.engine.load import SHADOW_DRAFTS, LoadShare
 from specwise.engine.logprobs import TokenLogprob, token_logprobs
 from specwise.engine.sampling import SamplingConfig
 from specwise.engine.step import verify_chain, verify_proposal
@@ -229,7 +229,7 @@ def _budget(room: int, load: LoadShare | None, method: str, drafts: bool = True)
         load.wanted = 0
         return 0, 0
     cap = load.budget(room, method)
-    return cap, room if load.shadowing else cap
+    return cap, min(room, SHADOW_DRAFTS) if load.shadowing else cap
 
 
 def _record_step(stats: SpecStats, step, method: str, draft_s: float, verify_s: float,

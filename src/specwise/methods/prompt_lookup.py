@@ -41,8 +41,13 @@ class PromptLookupConfig(DraftingConfig):
             raise ConfigError(f"match must be 'earliest' or 'latest', got {self.match!r}.")
 
 
+# not among auto's default candidates: suffix decoding drafts from this context as prompt lookup
+# does and from earlier requests' outputs too, which auto's measurement on built-in texts cannot
+# show (there prompt lookup measured faster; on held-out prompts suffix decoding ran faster in
+# every run, docs/benchmarks/auto-floor-report.md)
 @register_drafter("pld", PromptLookupConfig,
-                  "prompt lookup: copy what followed the last n-gram earlier in the context", order=10)
+                  "prompt lookup: copy what followed the last n-gram earlier in the context", order=10,
+                  auto_candidate=False)
 class PromptLookupDrafter(Drafter):
     """Drafts by n-gram matching against the context; no model."""
 

@@ -18,11 +18,10 @@ steps in the regime is run for that many first, and once more in a later generat
 requests per regime and machine.
 
 Where each step's drafts are sized by the measured cost model (``draft_budget="measured"``, the
-default, and every batch), plain decoding gives way to ``floor`` (prompt lookup by default;
-``suffix``, which also drafts from earlier requests' outputs, measured even with it on one CPU so
-far): a
-drafter that costs almost nothing per step is held at 0 drafts by the cost model wherever its drafts
-do not pay, so it decodes as plainly as ``ar`` there and faster wherever it copies. A generation
+default, and every batch), plain decoding gives way to ``floor`` (suffix decoding by default, which
+drafts from this context as prompt lookup does and from earlier requests' outputs): a drafter that
+costs almost nothing per step is held at 0 drafts by the cost model wherever its drafts do not pay,
+so it decodes as plainly as ``ar`` there and faster wherever it copies. A generation
 alone in a regime not measured yet first measures every candidate on a few built-in texts
 (:mod:`specwise.methods.auto.calibration`), so the first requests after install do not pay probes.
 
@@ -90,7 +89,7 @@ class AutoConfig(MethodConfig):
     remember: bool = True  # keep the measurements in the cache (across requests and processes)
     # where each step's drafts are sized by the measured cost model, the candidate that stands in for
     # plain decoding (module docstring); "ar" or a candidate that is not built: plain decoding
-    floor: str = "pld"
+    floor: str = "suffix"
     scope: str = ""  # whose earlier text candidates that draft across requests read (suffix's ``scope``)
 
     SERVER_OPTIONS: ClassVar[frozenset[str]] = frozenset({"scope"})
