@@ -51,9 +51,8 @@ EXPLORE = (16, 2)
 #: a drafter whose drafting costs less than this share of a target step drafts on steps held at 0
 #: drafts too, unverified: its first path is compared with the tokens the target emits (evidence
 #: almost for free where a probe's verified rows are dear; a costlier drafter gets :data:`EXPLORE`
-#: probes). Prompt lookup and suffix decoding cost about 2% of a one-token step of the smallest
-#: target on a fast CPU: under a 2% bound they went without shadows and drafted nothing for most
-#: of a short text, waiting for probes (docs/tuning.md)
+#: probes). A lower bound priced prompt lookup and suffix decoding out of shadows on the smallest
+#: target, and they drafted nothing for most of a short text, waiting for probes (docs/tuning.md)
 SHADOW_COST = 0.05
 #: the most drafts a shadow asks for: enough evidence for the acceptance estimate, which it gets
 #: once the shadow is resolved (its first refused draft, or its last one come true), so a long
