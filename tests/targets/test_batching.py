@@ -134,6 +134,7 @@ def test_a_generation_held_at_no_drafts_drafts_a_little_now_and_then():
 
     load = BatchLoad(VerifyCostTable((1, 64), (1.0, 64.0)))  # compute-bound: the rule never gives drafts
     share, _other = load.join(), load.join()
+    share.cost.record(True, draft_s=0.05, verify_s=0.02, relative_cost=1.0)  # its first drafting: not counted
     share.cost.record(True, draft_s=0.01, verify_s=0.02, relative_cost=1.0)  # a drafter too dear to draft unverified
     every = 2 * EXPLORE[0]  # a probe's rows slow the batch: each of 2 generations probes half as often
     budgets = [share.budget(40) for _ in range(2 * every)]
