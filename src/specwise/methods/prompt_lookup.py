@@ -44,7 +44,7 @@ class PromptLookupConfig(DraftingConfig):
 # not among auto's default candidates: suffix decoding drafts from this context as prompt lookup
 # does and from earlier requests' outputs too, which auto's measurement on built-in texts cannot
 # show (there prompt lookup measured faster; on held-out prompts suffix decoding ran faster in
-# every run, docs/benchmarks/auto-floor-report.md)
+# every greedy run, within a few per cent of it sampled, docs/benchmarks/auto-floor-report.md)
 @register_drafter("pld", PromptLookupConfig,
                   "prompt lookup: copy what followed the last n-gram earlier in the context", order=10,
                   auto_candidate=False)

@@ -11,8 +11,8 @@ by its last ``decide_every`` steps on this text, with the others as they compare
 same built-in texts (or, for one it left in this generation, by its speed on this text), and
 switches when the other is predicted faster by ``margin`` even against the upper end of the
 running method's scatter (a sampled segment's speed scatters widely: one unlucky segment is no
-reason to leave), the cost of rebuilding the other's state counted. Plain decoding (``ar``) is a candidate, so when no drafter is
-predicted to win, ``auto`` decodes plainly. A candidate with fewer than ``probe_steps`` measured
+reason to leave), the cost of rebuilding the other's state counted. Plain decoding (``ar``) is a
+candidate, so when no drafter is predicted to win, ``auto`` decodes plainly. A candidate with fewer than ``probe_steps`` measured
 steps in the regime is run for that many first, and once more in a later generation
 (:data:`PROBE_TEXTS`), plain decoding last: with the profile, this happens on the first two
 requests per regime and machine.
@@ -21,8 +21,8 @@ Where each step's drafts are sized by the measured cost model (``draft_budget="m
 default, and every batch), plain decoding gives way to ``floor`` (suffix decoding by default, which
 drafts from this context as prompt lookup does and from earlier requests' outputs): a drafter that
 costs almost nothing per step is held at 0 drafts by the cost model wherever its drafts do not pay,
-so it decodes as plainly as ``ar`` there and faster wherever it copies. A generation
-alone in a regime not measured yet first measures every candidate on a few built-in texts
+so it decodes as plainly as ``ar`` there and faster wherever it copies. A generation alone in a
+regime not measured yet first measures every candidate on a few built-in texts
 (:mod:`specwise.methods.auto.calibration`), so the first requests after install do not pay probes.
 
 Switching is exact: every candidate only proposes, and the verification decides (lossless for each,
@@ -466,9 +466,10 @@ class AutoRun:
         rates.update(self._this_text)
         if measured:  # this text, at the upper end of the segment's scatter
             rates[current] = recent.rate + EVIDENCE * recent.rate_error
-        # the others, relative to the running candidate measured on this text (else the floor)
-        anchor = current if measured else self._floor
-        if anchor is not None and (current is None or anchor == current):
+        # the others, relative to the running candidate measured on this text, or to the floor
+        # while it runs unmeasured or nothing runs yet
+        anchor = current if measured else self._floor if current in (None, self._floor) else None
+        if anchor is not None:
             self._relative_to(anchor, rates)
         best = max(rates, key=rates.__getitem__)
         if current is None and self._floor is not None:  # leaving the floor must pay, from the start too
