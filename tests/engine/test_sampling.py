@@ -169,3 +169,30 @@ def test_nucleus_boundary_is_batch_invariant_for_a_large_bf16_vocabulary():
     alone = process_logits(row[None], config)[0]
     batched = process_logits(torch.stack([torch.zeros_like(row), row]), config)[1]
     assert torch.equal(torch.isfinite(alone), torch.isfinite(batched))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_host_softmax_and_log_softmax_match_torch(dtype):
+    """CPU rows are computed by NumPy (no intra-op team on the calling thread): the same values as
+    torch's, masked tokens at 0 (or -inf), a row with nothing finite NaN as torch gives it."""
+    from specwise.engine.sampling import log_probs_from_scores
+
+    scores = torch.randn(3, 5000, dtype=dtype, generator=torch.Generator().manual_seed(0)) * 8
+    scores[1, ::3] = float("-inf")
+    scores[2] = float("-inf")
+    probs, logp = probs_from_scores(scores), log_probs_from_scores(scores)
+    assert probs.dtype == dtype and logp.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(probs[:2], torch.softmax(scores[:2], -1), **tol)
+    torch.testing.assert_close(logp[:2], torch.log_softmax(scores[:2], -1), **tol)
+    assert (probs[1, ::3] == 0).all() and torch.isinf(logp[1, ::3]).all()
+    assert torch.isnan(probs[2]).all() and torch.isnan(torch.softmax(scores[2], -1)).all()
+    assert scores[0].isfinite().all()  # the input is not written
+
+
+def test_temperature_is_applied_on_the_host_without_touching_the_logits():
+    logits = torch.randn(2, 4096, generator=torch.Generator().manual_seed(1))
+    kept = logits.clone()
+    scores = process_logits(logits, SamplingConfig(temperature=0.7))
+    torch.testing.assert_close(scores, kept / 0.7)
+    assert torch.equal(logits, kept)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specwise.engine.sampling import log_probs_from_scores
+
 #: the most alternatives a token's entry may list (OpenAI's ``top_logprobs`` bound)
 MAX_TOP_LOGPROBS = 20
 
@@ -44,7 +46,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
         N :class:`TokenLogprob`, computed in float32 (float64 for float64 logits).
     """
     rows = logits if logits.dtype == torch.float64 else logits.float()
-    logp = rows[: len(tokens)].log_softmax(-1)
+    logp = log_probs_from_scores(rows[: len(tokens)])
     chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
     if top <= 0:
         return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen)]

@@ -130,7 +130,8 @@ def process_logits(
         scores = torch.where(seen, penalised, scores)
     if config.is_greedy:
         return scores
-    scores = scores / config.temperature
+    host = _on_host(scores)
+    scores = scores / config.temperature if host is None else torch.from_numpy(np.divide(host, config.temperature))
     if 0 < config.top_k < scores.shape[-1]:
         kth = torch.topk(scores, config.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -210,8 +211,46 @@ def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
 
 
 def probs_from_scores(scores: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last axis. ``[N, V]`` scores -> ``[N, V]`` probabilities (same dtype)."""
-    return torch.softmax(scores, dim=-1)
+    """Softmax over the last axis. ``[N, V]`` scores -> ``[N, V]`` probabilities (same dtype); a row
+    whose largest score is not finite comes out NaN (callers raise :class:`NonFiniteDistributionError`).
+
+    CPU float rows are computed by NumPy on the calling thread (:func:`_on_host`)."""
+    host = _on_host(scores)
+    if host is None:
+        return torch.softmax(scores, dim=-1)
+    with np.errstate(invalid="ignore", over="ignore"):  # a non-finite row: NaN, as torch gives it
+        probs = host - host.max(-1, keepdims=True)
+        np.exp(probs, out=probs)
+        probs /= probs.sum(-1, keepdims=True)
+    return torch.from_numpy(probs)
+
+
+def log_probs_from_scores(scores: torch.Tensor) -> torch.Tensor:
+    """Log-softmax over the last axis. ``[N, V]`` scores -> ``[N, V]`` natural-log probabilities
+    (same dtype; ``-inf`` where a score is ``-inf``). CPU float rows are computed by NumPy on the
+    calling thread (:func:`_on_host`)."""
+    host = _on_host(scores)
+    if host is None:
+        return torch.log_softmax(scores, dim=-1)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        shifted = host - host.max(-1, keepdims=True)
+        shifted -= np.log(np.exp(shifted).sum(-1, keepdims=True))
+    return torch.from_numpy(shifted)
+
+
+def _on_host(scores: torch.Tensor) -> np.ndarray | None:
+    """``scores`` as a NumPy array (no copy) when it is a CPU float32 or float64 matrix, else ``None``.
+
+    A torch operation over a whole vocabulary row runs on torch's intra-op OpenMP team, one team per
+    calling thread. On a batched generation's own thread (its rounds are decoded on the target's
+    engine thread) that is a second team beside the engine's, and libgomp, managing more OpenMP
+    threads than there are cores, then cuts every team's spin-wait short: ggml's barriers sleep and
+    wake instead of spinning and each round's forward slows (docs/notes/loop.md, "Sampling on the
+    host"). NumPy's element-wise kernels run on the calling thread alone.
+    """
+    if scores.device.type != "cpu" or scores.dtype not in (torch.float32, torch.float64) or scores.dim() != 2:
+        return None
+    return scores.detach().numpy()
 
 
 #: tokens per block of :func:`sample_token`'s two-level cumulative sum
