@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from specwise.targets.openmp import openmp_runtimes, release_pool
+from specwise.targets.openmp import openmp_runtimes, release_pool, set_team
 
 
 def _threads() -> int:
@@ -54,3 +54,30 @@ def _check_released(runtimes) -> None:
     thread.join(10)
     assert counts["released"] is True
     assert counts["after"] < counts["with pool"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="counts threads through /proc")
+def test_a_thread_set_to_one_runs_torch_without_a_team_and_gets_it_back():
+    runtimes = openmp_runtimes()
+    if not runtimes or (os.cpu_count() or 1) < 2:
+        pytest.skip("needs torch on libgomp and two cores")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite runs torch on one thread (conftest)
+    counts = {}
+
+    def member():
+        start = _threads()
+        set_team(runtimes, 1)
+        float(torch.ones(1 << 20).mul(2).sum())  # large enough for a parallel region
+        counts["alone"] = _threads() - start
+        set_team(runtimes, 2)
+        float(torch.ones(1 << 20).mul(2).sum())
+        counts["team"] = _threads() - start
+
+    try:
+        thread = threading.Thread(target=member)
+        thread.start()
+        thread.join(10)
+    finally:
+        torch.set_num_threads(before)
+    assert counts == {"alone": 0, "team": 1}

@@ -54,7 +54,7 @@ from specwise.targets.gguf_parts import GGUFParts
 from specwise.targets.llamacpp_backend import drafter_dtype, lc, load_backends, loaded_cpu_variant, repack_by_default
 from specwise.targets.llamacpp_cache import SEQUENCES_PER_GENERATION, LlamaCppCache
 from specwise.targets.llamacpp_taps import Taps
-from specwise.targets.openmp import openmp_runtimes, release_pool
+from specwise.targets.openmp import openmp_runtimes, release_pool, set_team
 
 #: generations one context serves at once (each with its own range of sequence ids)
 GENERATIONS = 8  # x SEQUENCES_PER_GENERATION = 256, the most sequences a llama.cpp context takes
@@ -162,6 +162,7 @@ class LlamaCppTarget(TextCodec):
         self._batch = lc.llama_batch_init(BATCH_TOKENS, 0, SEQUENCES_PER_GENERATION)
         self._engine = EngineThread(f"specwise-llamacpp-{name}")
         self._openmp = openmp_runtimes()
+        self._torch_threads = torch.get_num_threads()  # a lone generation's torch team (set_team)
         self._engine_pool = False  # whether the engine thread ran rounds since it last let its pool go
         self._batcher = DecodeBatcher(self._decode_on_engine)
         # the pool's cells (the unified cache holds max_context) and ranges, reserved by the
@@ -430,14 +431,17 @@ class LlamaCppTarget(TextCodec):
         running the rounds (:class:`specwise.targets.batching.EngineThread`: ggml's OpenMP team stays
         one), else on the calling thread: alone, a generation's thread is the only one calling, so
         there is no other team to spin, and a hop per step would only add its wake-ups. The first
-        lone decode after rounds has the engine thread let its pool go first
-        (:mod:`specwise.targets.openmp`)."""
+        lone decode after rounds has the engine thread let its pool go first, and while rounds run a
+        member's own torch operations (sampling, drafting) run on its thread alone, with no team beside
+        the engine's (:mod:`specwise.targets.openmp`)."""
         if self._batcher.members < 2:
+            set_team(self._openmp, self._torch_threads)
             if self._engine_pool:  # its idle OpenMP workers would slow this thread's team (openmp.py)
                 self._engine_pool = False
                 self._engine.call(lambda: release_pool(self._openmp))
             self._decode_many(requests)
         else:
+            set_team(self._openmp, 1)
             self._engine_pool = True
             self._engine.call(lambda: self._decode_many(requests))
 
@@ -526,9 +530,15 @@ class LlamaCppTarget(TextCodec):
     def batch_member(self) -> Iterator[None]:
         """For the block, this thread's forwards run in one ``llama_decode`` with those of every
         other thread inside its own block (:class:`specwise.targets.batching.DecodeBatcher`): one
-        generation per thread, each with its own cache; outside such a block a forward runs alone."""
+        generation per thread, each with its own cache; outside such a block a forward runs alone.
+        Inside, the thread's torch operations run without a team of their own except while it is
+        the batch's only member (:meth:`_decode_on_engine`)."""
         with self._batcher.member():
-            yield
+            set_team(self._openmp, 1)
+            try:
+                yield
+            finally:
+                set_team(self._openmp, self._torch_threads)
 
     @property
     def max_generations(self) -> int:

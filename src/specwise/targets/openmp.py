@@ -39,6 +39,10 @@ def openmp_runtimes(maps: str | None = None) -> tuple[ctypes.CDLL, ...]:
             library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
             library.omp_pause_resource_all.argtypes = [ctypes.c_int]
             library.omp_pause_resource_all.restype = ctypes.c_int
+            library.omp_set_num_threads.argtypes = [ctypes.c_int]
+            library.omp_set_num_threads.restype = None
+            library.omp_get_max_threads.argtypes = []
+            library.omp_get_max_threads.restype = ctypes.c_int
         except (OSError, AttributeError):  # gone meanwhile, or older than OpenMP 5.0's pause
             continue
         runtimes.append(library)
@@ -49,3 +53,23 @@ def release_pool(runtimes: tuple[ctypes.CDLL, ...]) -> bool:
     """Let the calling thread's idle OpenMP workers exit (its next parallel region starts new ones).
     Call it outside any parallel region. Returns whether every runtime agreed (``True`` for none)."""
     return all(runtime.omp_pause_resource_all(_PAUSE_SOFT) == 0 for runtime in runtimes)
+
+
+def set_team(runtimes: tuple[ctypes.CDLL, ...], threads: int) -> None:
+    """Size the calling thread's later parallel regions (OpenMP's ``nthreads`` setting, which is
+    per thread): ``1`` runs its torch operations on it alone and lets its idle pool go (a thread
+    whose forwards another thread decodes keeps no pool beside that thread's); more gives them a
+    team again. ggml names its team's size itself, so this moves only torch's.
+
+    Args:
+        runtimes: :func:`openmp_runtimes`.
+        threads: >= 1.
+    """
+    import torch  # its per-thread setting is made on a thread's first torch call, which would undo ours
+
+    torch.get_num_threads()
+    for runtime in runtimes:
+        if runtime.omp_get_max_threads() != threads:
+            runtime.omp_set_num_threads(threads)
+            if threads == 1:
+                runtime.omp_pause_resource_all(_PAUSE_SOFT)
