@@ -435,7 +435,8 @@ class LlamaCppTarget(TextCodec):
         member's own torch operations (sampling, drafting) run on its thread alone, with no team beside
         the engine's (:mod:`specwise.targets.openmp`)."""
         if self._batcher.members < 2:
-            set_team(self._openmp, self._torch_threads)
+            if self._batcher.is_member():  # (a generation outside any batch keeps its thread's setting)
+                set_team(self._openmp, self._torch_threads)
             if self._engine_pool:  # its idle OpenMP workers would slow this thread's team (openmp.py)
                 self._engine_pool = False
                 self._engine.call(lambda: release_pool(self._openmp))
