@@ -393,7 +393,9 @@ def test_a_client_that_disconnects_mid_stream_frees_the_server(server, client):
 def test_a_full_queue_is_503(model_dir):
     server = Server(model_dir, "--max-queue", "1")
     try:
-        long = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 480, "temperature": 0, "stream": True}
+        # plain decoding: the default's drafts copy this text many tokens a step and end it too soon
+        long = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 480, "temperature": 0, "stream": True,
+                **_speculative("ar")}
         # The refusal needs the first request still running when the third arrives; on a loaded
         # machine it can finish first (the third is then queued and answered), so such a round says
         # nothing about the queue and is repeated.
@@ -421,9 +423,10 @@ def test_a_full_queue_is_503(model_dir):
 
 
 def test_the_time_limit_is_504_or_an_error_event(model_dir):
-    server = Server(model_dir, "--time-limit", "0.05")  # far below 480 tokens' time on any machine
+    server = Server(model_dir, "--time-limit", "0.05")  # far below 480 plain decoding steps on any machine
     try:
-        long = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 480, "temperature": 0, "stream": True}
+        long = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 480, "temperature": 0, "stream": True,
+                **_speculative("ar")}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=60) as running:
             rest = "\n".join(running.iter_lines())
         assert "ran past this server's time limit" in rest and rest.strip().endswith("data: [DONE]")
