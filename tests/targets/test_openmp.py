@@ -19,17 +19,22 @@ def test_no_runtime_found_in_maps_without_one_and_releasing_none_is_fine():
     assert release_pool(()) is True
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="counts threads through /proc")
-def test_a_thread_that_stays_lets_its_idle_workers_go():
-    runtimes = openmp_runtimes()
-    if not runtimes or (os.cpu_count() or 1) < 2:
+@pytest.fixture
+def runtimes():
+    """The process's libgomp, torch on two threads for the test (the suite runs it on one, conftest)."""
+    if not os.path.exists("/proc/self/task"):
+        pytest.skip("counts threads through /proc")
+    found = openmp_runtimes()
+    if not found or (os.cpu_count() or 1) < 2:
         pytest.skip("needs torch on libgomp and two cores")
     before = torch.get_num_threads()
-    torch.set_num_threads(2)  # the suite runs torch on one thread (conftest)
-    try:
-        _check_released(runtimes)
-    finally:
-        torch.set_num_threads(before)
+    torch.set_num_threads(2)
+    yield found
+    torch.set_num_threads(before)
+
+
+def test_a_thread_that_stays_lets_its_idle_workers_go(runtimes):
+    _check_released(runtimes)
 
 
 def _check_released(runtimes) -> None:
@@ -56,13 +61,7 @@ def _check_released(runtimes) -> None:
     assert counts["after"] < counts["with pool"]
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="counts threads through /proc")
-def test_a_thread_set_to_one_runs_torch_without_a_team_and_gets_it_back():
-    runtimes = openmp_runtimes()
-    if not runtimes or (os.cpu_count() or 1) < 2:
-        pytest.skip("needs torch on libgomp and two cores")
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)  # the suite runs torch on one thread (conftest)
+def test_a_thread_set_to_one_runs_torch_without_a_team_and_gets_it_back(runtimes):
     counts = {}
 
     def member():
@@ -74,10 +73,7 @@ def test_a_thread_set_to_one_runs_torch_without_a_team_and_gets_it_back():
         float(torch.ones(1 << 20).mul(2).sum())
         counts["team"] = _threads() - start
 
-    try:
-        thread = threading.Thread(target=member)
-        thread.start()
-        thread.join(10)
-    finally:
-        torch.set_num_threads(before)
+    thread = threading.Thread(target=member)
+    thread.start()
+    thread.join(10)
     assert counts == {"alone": 0, "team": 1}
