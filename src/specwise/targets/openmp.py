@@ -16,6 +16,8 @@ import ctypes
 import os
 from pathlib import Path
 
+import torch
+
 #: ``omp_pause_soft`` (OpenMP 5.0): the runtime may free the calling thread's resources
 _PAUSE_SOFT = 1
 
@@ -65,11 +67,9 @@ def set_team(runtimes: tuple[ctypes.CDLL, ...], threads: int) -> None:
         runtimes: :func:`openmp_runtimes`.
         threads: >= 1.
     """
-    import torch  # its per-thread setting is made on a thread's first torch call, which would undo ours
-
-    torch.get_num_threads()
+    torch.get_num_threads()  # torch sets a thread's own count on its first call there, which would undo ours
     for runtime in runtimes:
         if runtime.omp_get_max_threads() != threads:
             runtime.omp_set_num_threads(threads)
             if threads == 1:
-                runtime.omp_pause_resource_all(_PAUSE_SOFT)
+                release_pool((runtime,))
