@@ -226,11 +226,11 @@ def test_tiny_end_to_end_run(tiny_run):
 #: the results.json layout that downstream tools (specwise analyze, notebooks) rely on
 RESULT_KEYS = {"schema", "config", "records", "summaries"}
 CONFIG_KEYS = {"target", "dtype", "device", "max_new_tokens", "temperature", "seed", "prompts", "contenders",
-               "tie_margin", "weights", "chat", "ignore_eos", "response_format"}
+               "tie_margin", "weights", "chat", "ignore_eos", "response_format", "repeats"}
 RECORD_KEYS = {"contender", "prompt_id", "category", "new_tokens", "wall_time_s", "tokens_per_second",
                "mean_accepted_length", "drafted_by_position", "accepted_by_position", "draft_time_s",
                "verify_time_s", "matches_baseline", "divergence_index", "divergence_logit_gap", "token_ids",
-               "decode_time_s", "method_steps", "prefill_time_s", "drafted_tokens"}
+               "decode_time_s", "method_steps", "prefill_time_s", "drafted_tokens", "repeat"}
 SUMMARY_KEYS = {"contender", "prompts", "median_tokens_per_second", "median_speedup", "mean_accepted_length",
                 "acceptance_by_position", "draft_time_s", "verify_time_s", "other_time_s", "exact_matches",
                 "near_tie_divergences", "other_divergences", "steps_by_method", "pooled_tokens_per_second",
@@ -381,3 +381,36 @@ def test_contenders_draft_across_requests_from_their_own_index():
     assert accepted(second) == accepted(first)
     shared = specwise_contender(target, "suffix", label="suffix-c", draft_budget="fixed", scope="bench:suffix-a")
     assert accepted(shared.run(prompt, 24)) > accepted(first)
+
+
+def test_a_repeated_race_starts_each_repeat_afresh_and_keeps_each_fastest_run():
+    """``repeats``: every contender forgets what earlier requests taught it before each repeat (a
+    suffix contender drafts as much of a prompt the second time as the first, never copying its own
+    earlier answer), every run is kept, and each contender's record of a prompt is its fastest run."""
+    target = make_target("llama", eos=())
+    prompts = [PromptRecord(f"rand/{i}", "random", _text(random_prompt(12, seed=i))) for i in range(2)]
+    contenders = [parse_contender(target, "ar"), specwise_contender(target, "suffix", draft_budget="fixed")]
+    progress = []
+    result = run_benchmark(target, prompts, contenders, max_new_tokens=24, repeats=3,
+                           on_progress=lambda done, total: progress.append((done, total)))
+    assert progress[-1] == (12, 12)
+    assert len(result.repeated) == 12 and sorted({r.repeat for r in result.repeated}) == [0, 1, 2]
+    assert len(result.records) == 4 and result.config["repeats"] == 3
+    for record in result.records:
+        mine = [r for r in result.repeated if (r.contender, r.prompt_id) == (record.contender, record.prompt_id)]
+        assert record.wall_time_s == min(r.wall_time_s for r in mine)
+        assert {tuple(r.token_ids) for r in mine} == {tuple(record.token_ids)}
+        assert len({sum(r.accepted_by_position) for r in mine}) == 1  # the same drafts each repeat
+    assert "repeated_records" in result.to_dict()
+    with pytest.raises(ValueError, match="repeats"):
+        run_benchmark(target, prompts, contenders, repeats=0)
+
+
+def test_a_forgotten_llama_server_restarts_on_its_next_request(tmp_path):
+    """The peer's ``forget`` stops its server (ngram-mod's pool is shared across requests); the next
+    request starts a fresh one."""
+    binary = tmp_path / "llama-server"
+    binary.write_text("")
+    contender = parse_contender(make_target("llama", eos=()), "llamacpp", binary, tmp_path / "m.gguf")
+    assert contender.forget is not None
+    contender.forget()  # nothing started yet: nothing to stop

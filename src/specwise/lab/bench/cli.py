@@ -48,6 +48,9 @@ def add_bench_args(bench: argparse.ArgumentParser, default_target: str) -> None:
                             "own json_schema; METHOD[constrained=false] runs unconstrained beside them)")
     bench.add_argument("--instruction", default=None, metavar="TEXT",
                        help="appended to every prompt after a blank line (e.g. what JSON to answer in)")
+    bench.add_argument("--repeats", type=int, default=1,
+                       help="run the race N times, each from the same start (drafting indexes and llama-server's "
+                            "n-gram pool fresh), and time each contender on each prompt by its fastest run")
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "float64"])
@@ -102,11 +105,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             "llama-server's cache_prompt false): every contender pays every prompt's prefill"}
     if sweep:
         extra["sweep"] = sweep.to_config()
-    with bench_progress(console, len(records) * len(contenders)) as on_progress:
+    with bench_progress(console, args.repeats * len(records) * len(contenders)) as on_progress:
         result = run_benchmark(target, records, contenders, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, seed=args.seed, on_progress=on_progress,
                                extra_config=extra, chat=args.chat, ignore_eos=args.ignore_eos,
-                               response_format=response_format)
+                               response_format=response_format, repeats=args.repeats)
     results = result.to_dict()
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plots = write_bench_plots(results, out)

@@ -44,6 +44,9 @@ class Contender:
     #: ``run`` takes ``cache_prompt=True``: keep the prompt's cache for the next request that
     #: continues it (llama-server's own option; a conversation's turns)
     caches_prompts: bool = False
+    #: drop what earlier requests taught it (a drafting index across requests, llama-server's shared
+    #: n-gram pool), so a repeat of the race starts where the first did; ``None``: nothing to drop
+    forget: Callable[[], None] | None = None
 
 
 def specwise_contender(target, method: str, label: str | None = None, constrained: bool = True,
@@ -57,17 +60,21 @@ def specwise_contender(target, method: str, label: str | None = None, constraine
     own, scoped by the contender's name unless ``scope`` is given: contenders on one target never
     draft from each other's outputs (on the same prompt they would copy one another's text)."""
 
-    if "scope" not in options and "scope" in METHODS.get(method).option_names:
+    scoped = "scope" in METHODS.get(method).option_names
+    if scoped and "scope" not in options:
         options = {**options, "scope": f"bench:{label or method}"}
-    drafter = build_drafter(target, method, **options)
+    drafters = [build_drafter(target, method, **options)]
 
     def run(prompt_ids, max_new_tokens, temperature=0.0, seed=None, response_format=None, **sampling):
-        result = generate(target, prompt_ids, drafter=drafter, max_new_tokens=max_new_tokens,
+        result = generate(target, prompt_ids, drafter=drafters[-1], max_new_tokens=max_new_tokens,
                           temperature=temperature, seed=seed, response_format=response_format if constrained else None,
                           draft_budget=draft_budget, **sampling)
         return Outcome(result.token_ids, result.stats.wall_time_s, result.stats)
 
-    return Contender(label or method, run)
+    def forget() -> None:  # a scope of its own per repeat: an index that has seen none of the texts
+        drafters.append(build_drafter(target, method, **{**options, "scope": f"{options['scope']}#{len(drafters)}"}))
+
+    return Contender(label or method, run, forget=forget if scoped else None)
 
 
 def hf_contender(target, kind: str, label: str | None = None, **options: Any) -> Contender:
@@ -173,7 +180,8 @@ def llamacpp_contender(target, binary: Path, gguf: Path, label: str = "llamacpp"
         prefill_s, decode_s = timings.get("prompt_ms", 0.0) / 1e3, timings.get("predicted_ms", 0.0) / 1e3
         return Outcome(list(reply.get("tokens", [])), prefill_s + decode_s, None, decode_time_s=decode_s)
 
-    return Contender(label, run, is_peer=True, describe=server.describe, caches_prompts=True)
+    # a restarted server (on its next request) holds no n-gram pool (ngram-mod's is shared across requests)
+    return Contender(label, run, is_peer=True, describe=server.describe, caches_prompts=True, forget=server.close)
 
 
 def json_schema_of(response_format: dict | None) -> dict | None:

@@ -54,6 +54,9 @@ def markdown_report(result: BenchResult, plots: Sequence[str | Path] = ()) -> st
     if c.get("ignore_eos"):
         lines += [f"Every contender generated exactly {c['max_new_tokens']} tokens, past end-of-sequence (`--ignore-eos`).",
                   ""]
+    if c.get("repeats", 1) > 1:
+        lines += [f"The race ran {c['repeats']} times, each from the same start (drafting indexes and llama-server's "
+                  f"n-gram pool fresh); each contender's time on a prompt is its fastest of the {c['repeats']} runs.", ""]
     if "command" in c:
         lines += ["Command: `" + c["command"] + "`", ""]
     if "cache_state" in c:

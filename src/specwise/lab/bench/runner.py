@@ -45,6 +45,7 @@ class RunRecord:
     method_steps: list[list] = field(default_factory=list)  # [method, steps] runs (``auto``'s choices)
     prefill_time_s: float | None = None  # the prompt's forward (ours)
     drafted_tokens: int | None = None  # draft tokens verified, a tree's nodes counted (ours)
+    repeat: int = 0  # which repeat of the race it ran in (``run_benchmark(repeats=...)``)
 
 
 @dataclass
@@ -78,11 +79,16 @@ class BenchResult:
     config: dict
     records: list[RunRecord]
     summaries: dict[str, list[Summary]]
+    #: every run of a race repeated (``repeats`` > 1); ``records`` holds each contender's fastest per prompt
+    repeated: list[RunRecord] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"schema": "specwise.lab.bench/1", "config": self.config,
-                "records": [asdict(r) for r in self.records],
-                "summaries": {k: [asdict(s) for s in v] for k, v in self.summaries.items()}}
+        out = {"schema": "specwise.lab.bench/1", "config": self.config,
+               "records": [asdict(r) for r in self.records],
+               "summaries": {k: [asdict(s) for s in v] for k, v in self.summaries.items()}}
+        if self.repeated:
+            out["repeated_records"] = [asdict(r) for r in self.repeated]
+        return out
 
 
 def run_benchmark(
@@ -98,6 +104,7 @@ def run_benchmark(
     chat: bool = False,
     ignore_eos: bool = False,
     response_format: dict | None = None,
+    repeats: int = 1,
 ) -> BenchResult:
     """Benchmark contenders on prompts, interleaved.
 
@@ -114,47 +121,73 @@ def run_benchmark(
             sampled texts of different lengths do not weigh the prefill differently).
         response_format: every contender constrains its output to it (a contender built with
             ``constrained=false`` excepted), e.g. a JSON schema.
+        repeats: run the whole race this many times, each repeat from the same start (every
+            contender's :attr:`Contender.forget` called, then its warm-up again), and keep each
+            contender's fastest run of each prompt: the same work timed several times on a machine
+            whose speed drifts is best estimated by its least disturbed run (a disturbance only
+            slows), so two contenders doing the same steps read alike. Every run is kept in
+            ``repeated``.
 
     Returns:
         :class:`BenchResult` with per-run records and per-category / overall summaries.
+
+    Raises:
+        ValueError: ``repeats`` below 1.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}.")
     encoded = [target.encode_chat([{"role": "user", "content": p.prompt}]) if chat else target.encode(p.prompt)
                for p in prompts]
     # warm-up on a text of no prompt's: a contender drafting across requests keeps what it wrote
     warm = "Say hello in one short sentence."
     warm_ids = target.encode_chat([{"role": "user", "content": warm}]) if chat else target.encode(warm)
-    for contender in contenders:
-        contender.run(warm_ids, min(16, max_new_tokens), temperature=temperature, seed=seed, ignore_eos=ignore_eos,
-                      response_format=response_format)
-    records: list[RunRecord] = []
-    total, done = len(prompts) * len(contenders), 0
-    for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
-        shift = index % len(contenders)
-        order = list(contenders[shift:]) + list(contenders[:shift])
-        by_name: dict[str, RunRecord] = {}
-        for contender in order:
-            outcome = contender.run(ids, max_new_tokens, temperature=temperature, seed=seed + index,
-                                    ignore_eos=ignore_eos, response_format=response_format)
-            by_name[contender.name] = _record(contender, prompt, outcome)
-            done += 1
-            if on_progress:
-                on_progress(done, total)
-        baseline = by_name.get(BASELINE)
-        if baseline is not None and temperature == 0.0:
-            for record in by_name.values():
-                _compare(target, ids, baseline, record)
-        records.extend(by_name[c.name] for c in contenders)
+    runs: list[RunRecord] = []
+    total, done = repeats * len(prompts) * len(contenders), 0
+    for repeat in range(repeats):
+        for contender in contenders:
+            if repeat and contender.forget is not None:
+                contender.forget()
+            contender.run(warm_ids, min(16, max_new_tokens), temperature=temperature, seed=seed,
+                          ignore_eos=ignore_eos, response_format=response_format)
+        for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
+            shift = (index + repeat) % len(contenders)
+            order = list(contenders[shift:]) + list(contenders[:shift])
+            by_name: dict[str, RunRecord] = {}
+            for contender in order:
+                outcome = contender.run(ids, max_new_tokens, temperature=temperature, seed=seed + index,
+                                        ignore_eos=ignore_eos, response_format=response_format)
+                by_name[contender.name] = _record(contender, prompt, outcome)
+                by_name[contender.name].repeat = repeat
+                done += 1
+                if on_progress:
+                    on_progress(done, total)
+            baseline = by_name.get(BASELINE)
+            if baseline is not None and temperature == 0.0:
+                for record in by_name.values():
+                    _compare(target, ids, baseline, record)
+            runs.extend(by_name[c.name] for c in contenders)
+    records = fastest_runs(runs) if repeats > 1 else runs
     summaries = summarize(records, [c.name for c in contenders], greedy=temperature == 0.0)
     config = {"target": target.name, "weights": getattr(target, "weights", "bf16"),
               "dtype": str(target.dtype).removeprefix("torch."),
               "device": str(target.device), "max_new_tokens": max_new_tokens, "temperature": temperature,
               "seed": seed, "prompts": len(prompts), "contenders": [c.name for c in contenders],
               "tie_margin": TIE_MARGIN, "chat": chat, "ignore_eos": ignore_eos, "response_format": response_format,
-              **(extra_config or {})}
+              "repeats": repeats, **(extra_config or {})}
     described = {c.name: c.describe() for c in contenders if c.describe is not None}
     if described:
         config["how_contenders_ran"] = described
-    return BenchResult(config, records, summaries)
+    return BenchResult(config, records, summaries, runs if repeats > 1 else [])
+
+
+def fastest_runs(runs: Sequence[RunRecord]) -> list[RunRecord]:
+    """Each contender's fastest run of each prompt (least wall time), in the order of their first runs."""
+    best: dict[tuple[str, str], RunRecord] = {}
+    for run in runs:
+        key = (run.contender, run.prompt_id)
+        if key not in best or run.wall_time_s < best[key].wall_time_s:
+            best[key] = run
+    return [best[key] for key in dict.fromkeys((r.contender, r.prompt_id) for r in runs)]
 
 
 def _record(contender: Contender, prompt: PromptRecord, outcome) -> RunRecord:
