@@ -5,7 +5,8 @@ once (an idle llama-server runs with ``--poll 0``, so its threads sleep). For ea
 the contenders take turns (order rotating per round) on the same held-out prompts: N streaming
 ``/v1/completions`` requests started together, each prompt a different one. Measured per stream:
 time to first token and tokens per second; per burst: aggregate tokens per second (all streams'
-tokens over the burst's wall time). Tokens are counted from each response's ``usage`` (llama-server:
+tokens over the burst's wall time). Both sample from the whole softmax at the request's temperature
+(llama-server is sent ``top_k`` 0, ``top_p`` 1, ``min_p`` 0, not its truncating defaults). Tokens are counted from each response's ``usage`` (llama-server:
 its ``timings.predicted_n`` where it gives no ``usage``), never from chunks. For our batched server
 each burst also records its rounds from ``/metrics`` (before and after): their number, the time
 inside the engine, and the time between rounds (the generations' own work, which each round waits
@@ -35,6 +36,10 @@ from specwise.prompts import is_held_out, load_prompts, take_per_category
 from specwise.targets.files import gguf_file
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+#: llama-server's own sampling defaults truncate the distribution (top-k 40, top-p 0.95, min-p 0.05),
+#: which also makes its sampling step cheaper; ours sample from the whole softmax at the request's
+#: temperature, as the OpenAI API does: the peer is asked for the same
+PLAIN_SAMPLING = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0}
 
 
 def free_port() -> int:
@@ -314,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         np_ = args.max_batch
         contenders.append(Contender(f"llama-server -np {np_}", [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1",
                                     "--port", str(port), "-t", str(args.threads), "-tb", str(args.threads), "--poll", "0",
-                                    "-c", str(2048 * np_), "-np", str(np_), "--no-webui"], port, out / "llama-server.log"))
+                                    "-c", str(2048 * np_), "-np", str(np_), "--no-webui"], port, out / "llama-server.log",
+                                    extra=PLAIN_SAMPLING))
     for c in contenders:
         c.wait()
     # one short warm-up burst each (first decodes, allocations), on prompts the race does not use
