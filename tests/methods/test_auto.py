@@ -436,6 +436,23 @@ def test_measuring_first_times_each_candidates_rebuild_and_stays_exact():
     assert result.token_ids == list(continuation)
 
 
+def test_the_first_measurement_teaches_no_index_of_earlier_outputs():
+    """The built-in texts ``auto`` measures its candidates on are nobody's: suffix decoding's index of
+    the user's scope holds none of them afterwards (the user's first texts would draft from them),
+    while a user's generation still adds its text."""
+    from specwise.methods.suffix.drafter import SuffixConfig, SuffixDrafter, shared_index
+
+    target, prompt, _ = _setup()
+    suffix = SuffixDrafter(target, SuffixConfig(scope="user"))
+    auto = AutoDrafter(target, AutoConfig(remember=False, probe_steps=4, floor="suffix", scope="user"),
+                       candidates={"ar": _ar(target), "suffix": suffix}, profile=AutoProfile(None))
+    index = shared_index(target, SuffixConfig().index_tokens)
+    assert auto.calibrate(SamplingConfig()) > 0.0
+    assert index.tokens("user") == 0
+    specwise.generate(target, prompt, drafter=auto, max_new_tokens=8, draft_budget="measured")
+    assert index.tokens("user") > 0
+
+
 def _calibrated(profile: AutoProfile, spec: str, tokens: float, seconds: float) -> None:
     """A first measurement on the built-in texts, as :func:`calibrate` leaves it."""
     from specwise.methods.auto.profile import calibrated

@@ -53,7 +53,7 @@ def speculative_generate(
     text_streamer: Callable[[str], None] | None = None,
     eos_token_ids: frozenset[int] | None = None, include_stop: bool = True,
     grammar: Grammar | None = None,
-    logprobs: int | None = None, load: LoadShare | None = None,
+    logprobs: int | None = None, load: LoadShare | None = None, learn: bool = True,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with one drafter.
 
@@ -85,6 +85,9 @@ def speculative_generate(
         load: this generation's seat in a batch, or a batch of one (:class:`specwise.engine.load.LoadShare`):
             each step's draft budget is capped by the measured cost model; ``None``: each step drafts
             what the drafter's own options allow.
+        learn: whether the drafter learns the text when it ends (``Drafter.learn``: an index of
+            earlier outputs, as suffix decoding drafts from); ``False`` for a text that is not a
+            user's, such as ``auto``'s measurement on built-in texts.
 
     Returns:
         a :class:`GenerationResult`: ``text``, ``token_ids``, ``stats``, ``stop_reason``
@@ -113,7 +116,7 @@ def speculative_generate(
         committed[length], length = first, length + 1
         commit([first], first_logits)
         ctx = DraftContext(committed[:length], 0, sampling, generator, cache.length, hidden_states, sized=load is not None)
-        with _started(drafter, ctx, lambda: committed[:length]) as state:
+        with _started(drafter, ctx, lambda: committed[:length], learn) as state:
             while output.stop_reason is None:
                 # 1. propose, leaving room for the bonus token
                 room = max_new_tokens - len(output.tokens) - 1
@@ -162,15 +165,17 @@ def _prefilled(target, prompt_ids: torch.Tensor, sampling: SamplingConfig, gener
 
 
 @contextmanager
-def _started(drafter: Drafter, ctx: DraftContext, committed: Callable[[], torch.Tensor]):
+def _started(drafter: Drafter, ctx: DraftContext, committed: Callable[[], torch.Tensor], learn: bool = True):
     """The drafter's state for this generation, finished when the block ends, however it ends; the
-    drafter then learns the generation's text (``committed()``: the tokens committed by then)."""
+    drafter then learns the generation's text (``committed()``: the tokens committed by then),
+    where ``learn``."""
     state = drafter.start(ctx)
     try:
         yield state
     finally:
         drafter.finish(state)
-        drafter.learn(committed(), ctx.token_ids.numel() - 1)
+        if learn:
+            drafter.learn(committed(), ctx.token_ids.numel() - 1)
 
 
 def _with_forced(proposal: Proposal, constraint: GrammarState | None, budget: int,

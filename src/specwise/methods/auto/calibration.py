@@ -115,7 +115,9 @@ def _decode(target, drafter, ids: torch.Tensor, tokens: int, sampling, cost, see
     generator = None if sampling.is_greedy else torch.Generator(device=target.device).manual_seed(seed)
     load = BatchLoad(cost).join()
     try:
+        # built-in texts are nobody's: an index of earlier outputs (suffix decoding's, in the user's
+        # scope) would draft from them in the user's first texts
         return speculative_generate(target, drafter, ids, max_new_tokens=tokens, sampling=sampling,
-                                    generator=generator, eos_token_ids=frozenset(), load=load)
+                                    generator=generator, eos_token_ids=frozenset(), load=load, learn=False)
     finally:
         load.leave()
