@@ -161,6 +161,26 @@ def test_a_segment_run_in_a_batch_never_makes_auto_leave_its_candidate(batch_siz
     assert [method for method, _ in result.stats.method_steps] == runs, result.stats.method_steps
 
 
+@pytest.mark.parametrize("batch_size, ran", [(1, {"oracle"}), (2, {"pld"})])
+def test_beside_other_generations_auto_probes_nothing(batch_size, ran):
+    """A probe run in a batch is timed with the others' steps and never remembered: there ``auto``
+    runs its floor (or what this regime has measured) and probes nothing, where alone it probes an
+    unmeasured candidate first."""
+    target, prompt, continuation = _setup()
+    clock = FakeClock()
+    oracle = OracleDrafter(continuation, prompt.numel(), 4, mismatch_at=range(0, NEW))
+    pld = PromptLookupDrafter(target, PromptLookupConfig())
+    auto = _auto({"pld": Costly(pld, clock, 1.0), "oracle": Costly(oracle, clock, 1.0)}, clock, decide_every=4)
+    _measured(auto.profile, "pld", 1.0, 1.0, 50)
+    target.batch_size = batch_size
+    auto.target = target
+    result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW)
+    assert result.token_ids == list(continuation)
+    assert ran <= {method for method, _ in result.stats.method_steps}, result.stats.method_steps
+    if batch_size > 1:
+        assert [method for method, _ in result.stats.method_steps] == ["pld"], result.stats.method_steps
+
+
 def test_a_costly_first_step_is_counted_as_rebuilding_not_as_speed():
     """A drafter that catches up on the whole context in its first step (as EAGLE does after a
     switch) is judged by its later steps."""

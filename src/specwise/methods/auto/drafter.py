@@ -430,7 +430,8 @@ class AutoRun:
 
     def _choose(self, ctx: DraftContext | None) -> str:
         """The candidate to run next: one still to probe in this regime (:meth:`_probe_length`; plain
-        decoding last), else the predicted fastest.
+        decoding last) while the generation runs alone, else the predicted fastest (in a batch, of
+        the candidates measured in this regime, the floor and the running one).
 
         The running one is judged by its last segment here, at the upper end of that segment's
         scatter (:data:`EVIDENCE` standard errors); the others by how they compared with it on the
@@ -440,12 +441,18 @@ class AutoRun:
         """
         cfg = self.config
         live = {spec: self.profile.get(self._mode, spec) for spec in self._choosable}
+        # a probe beside other generations is timed with their steps and never remembered (_measure):
+        # it would cost every batched request of an unmeasured regime its probes, and teach nothing
+        alone = getattr(self.auto.target, "batch_size", 0) <= 1
         for spec in sorted(live, key=lambda spec: _plain(spec) or spec == self._floor):
-            if self._probe_length(spec):
+            if alone and self._probe_length(spec):
                 return spec
         # what was known before this generation and the probes run in it
         estimates = {spec: known if known.steps >= cfg.probe_steps else live[spec]
                      for spec, known in self._known.items()} if self._known else live
+        if not alone:  # in a batch only what was measured competes (the floor and the running one stay)
+            estimates = {spec: e for spec, e in estimates.items()
+                         if spec in (self.active, self._floor) or not self._probe_length(spec)} or estimates
         current = self.active
         recent = self._last_segment
         measured = current is not None and recent.steps >= cfg.probe_steps
