@@ -406,6 +406,11 @@ def test_a_repeated_race_starts_each_repeat_afresh_and_keeps_each_fastest_run():
         run_benchmark(target, prompts, contenders, repeats=0)
 
 
+def test_cli_refuses_no_repeats_before_loading(capsys):
+    assert main(["bench", "--repeats", "0", "--target", "/nonexistent/model"]) == 2
+    assert "--repeats must be at least 1" in capsys.readouterr().err
+
+
 def test_a_forgotten_llama_server_restarts_on_its_next_request(tmp_path):
     """The peer's ``forget`` stops its server (ngram-mod's pool is shared across requests); the next
     request starts a fresh one."""

@@ -196,6 +196,8 @@ def _bench_prompts(args: argparse.Namespace) -> list:
         records = [r for r in records if is_held_out(r)]
     if args.skip_per_category < 0:
         raise ConfigError(f"--skip-per-category must be >= 0, got {args.skip_per_category}.")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, got {args.repeats}.")
     if args.per_category or args.skip_per_category:
         records = take_per_category(records, args.per_category or len(records), args.skip_per_category)
     if not records:
