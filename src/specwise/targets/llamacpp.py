@@ -411,6 +411,8 @@ class LlamaCppTarget(TextCodec):
             if len(tokens) > BATCH_TOKENS:
                 raise ConfigError(f"a tree of {len(tokens)} tokens exceeds one decode ({BATCH_TOKENS}).")
         member = self._batcher.is_member()
+        if member:  # each member sizes its own thread's torch team (whoever runs the round)
+            set_team(self._openmp, self._torch_threads if self._batcher.members < 2 else 1)
         chunk = PREFILL_CHUNK if member else BATCH_TOKENS
         logits, pieces = [], {layer: [] for layer in taps.values()}
         for begin in range(0, len(tokens), chunk):
@@ -431,18 +433,15 @@ class LlamaCppTarget(TextCodec):
         running the rounds (:class:`specwise.targets.batching.EngineThread`: ggml's OpenMP team stays
         one), else on the calling thread: alone, a generation's thread is the only one calling, so
         there is no other team to spin, and a hop per step would only add its wake-ups. The first
-        lone decode after rounds has the engine thread let its pool go first, and while rounds run a
+        lone decode after rounds has the engine thread let its pool go first; while rounds run, each
         member's own torch operations (sampling, drafting) run on its thread alone, with no team beside
-        the engine's (:mod:`specwise.targets.openmp`)."""
+        the engine's (set in :meth:`_decode`, :mod:`specwise.targets.openmp`)."""
         if self._batcher.members < 2:
-            if self._batcher.is_member():  # (a generation outside any batch keeps its thread's setting)
-                set_team(self._openmp, self._torch_threads)
             if self._engine_pool:  # its idle OpenMP workers would slow this thread's team (openmp.py)
                 self._engine_pool = False
                 self._engine.call(lambda: release_pool(self._openmp))
             self._decode_many(requests)
         else:
-            set_team(self._openmp, 1)
             self._engine_pool = True
             self._engine.call(lambda: self._decode_many(requests))
 
