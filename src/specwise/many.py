@@ -21,7 +21,7 @@ from specwise.engine.load import BatchLoad
 from specwise.engine.types import GenerationResult
 from specwise.errors import CapacityError, ConfigError, SpecwiseError
 from specwise.request import GenerationRequest, build_request, run_request
-from specwise.targets.measured import verify_costs
+from specwise.targets.measured import observed_costs, verify_costs
 
 #: the most generations :func:`generate_many` runs at once by default
 DEFAULT_MAX_BATCH = 8
@@ -43,7 +43,7 @@ def batch_load(target, on_decision: Callable[[int, int], None] | None = None) ->
     """
     cost = verify_costs(target)
     return BatchLoad(cost, batch_size=lambda: target.batch_size, on_decision=on_decision,
-                     batch_round=lambda: getattr(target, "batch_rounds", None))
+                     batch_round=lambda: getattr(target, "batch_rounds", None), observed=observed_costs(target))
 
 
 def generate_many(target, prompts: Sequence[Any] | None = None, *, messages: Sequence[Sequence[dict]] | None = None,

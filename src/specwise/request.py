@@ -29,7 +29,7 @@ from specwise.engine.token_ids import check_token_ids
 from specwise.engine.types import GenerationResult
 from specwise.errors import ConfigError, PromptError
 from specwise.output import OutputRules, check_output, with_tool_calls
-from specwise.targets.measured import verify_costs
+from specwise.targets.measured import observed_costs, verify_costs
 
 #: how a request sizes each step's drafts (``draft_budget``)
 DRAFT_BUDGETS = ("measured", "fixed")
@@ -191,7 +191,7 @@ def run_request(target, request: GenerationRequest, *, streamer: Callable[[list[
     if own:  # a batch of one: the same cost model sizes a lone generation's drafts
         if hasattr(request.drafter, "calibrate"):  # auto measures its candidates once per regime, alone
             request.drafter.calibrate(request.sampling)
-        load = BatchLoad(verify_costs(target)).join()
+        load = BatchLoad(verify_costs(target), observed=observed_costs(target)).join()
     try:
         result = speculative_generate(
             target, running, request.prompt_ids, max_new_tokens=request.max_new_tokens, sampling=request.sampling,

@@ -99,7 +99,8 @@ class TargetKept:
             (:func:`specwise.output.compile_response_format`).
         once: things built once per target by name: ``"grammar_compiler"`` (the grammar engine's
             view of the tokenizer), ``"verify_cost"`` (the measured v(n) table,
-            :func:`specwise.engine.timing.verify_cost_table`).
+            :func:`specwise.engine.timing.verify_cost_table`), ``"observed_costs"`` (that table as
+            lone generations' steps correct it, :func:`specwise.targets.measured.observed_costs`).
     """
 
     resources: Kept = field(default_factory=Kept)

@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from specwise.engine.cost_model import VerifyCostFn
+from specwise.engine.observed_cost import ObservedCosts
 
 #: weight of the past in a generation's acceptance counts per step (recent steps count most)
 DECAY = 0.7
@@ -347,6 +348,9 @@ class LoadShare:
         if timing is not None:
             proposed, verified, draft_s, verify_s = timing
             self.cost.record(proposed > 0, draft_s, verify_s, self.load.relative_cost(verified + 1))
+            # a tree's forward is costed by another table, and a batch's by the batch
+            if self.load.observed is not None and self.members == 1 and (chain is not None or verified == 0):
+                self.load.observed.record(verified + 1, verify_s)
         emitted = list(emitted)
         if self._shadow is not None:
             self._match(emitted)
@@ -382,13 +386,18 @@ class BatchLoad:
         batch_round: ``() -> int``, the target's batched rounds run so far: the batch's budgets are
             then found once per round, by its first member to ask (from every seat's estimates as
             they stand then), not once per member; ``None``: every ask searches.
+        observed: the target's step costs as lone generations see them
+            (:class:`specwise.engine.observed_cost.ObservedCosts`, over this ``verify_cost``'s
+            table): a generation alone in the batch reports its chain steps there and is sized by
+            its corrected ``v(n)``; ``None``: by the table alone.
     """
 
     def __init__(self, verify_cost: VerifyCostFn, batch_size: Callable[[], int] | None = None,
                  on_decision: Callable[[int, int], None] | None = None,
-                 batch_round: Callable[[], int] | None = None) -> None:
+                 batch_round: Callable[[], int] | None = None, observed: ObservedCosts | None = None) -> None:
         self.verify_cost = verify_cost
         self._costs = cost_table(verify_cost, MAX_STEP_TOKENS)
+        self.observed = observed
         self._batch_size = batch_size
         self._on_decision = on_decision
         self._batch_round = batch_round
@@ -416,7 +425,8 @@ class BatchLoad:
             for seat, budget in zip(found[1], found[2]):
                 if seat is share:
                     return budget
-        budgets = draft_budgets([s.acceptance.alpha for s in shares], self._costs,
+        costs = self.observed.costs() if self.observed is not None and len(shares) == 1 else self._costs
+        budgets = draft_budgets([s.acceptance.alpha for s in shares], costs,
                                 [share.wanted if s.wanted is None else s.wanted for s in shares],  # not asked yet: as this one
                                 [s.cost.steps for s in shares])
         if now is not None:

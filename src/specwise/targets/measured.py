@@ -12,6 +12,8 @@ import torch
 
 from specwise.engine.clock import machine_key
 from specwise.engine.cost_model import VerifyCostTable
+from specwise.engine.load import MAX_STEP_TOKENS, cost_table
+from specwise.engine.observed_cost import ObservedCosts
 from specwise.engine.timing import verify_cost_table
 from specwise.targets.files import default_cache_dir
 
@@ -41,3 +43,10 @@ def verify_costs(target) -> VerifyCostTable:
     """``target``'s v(n) on this machine (:func:`specwise.engine.timing.verify_cost_table`), read
     from the cache where an earlier process measured it."""
     return verify_cost_table(target, measurement_path(target, "verify-costs"))
+
+
+def observed_costs(target) -> ObservedCosts:
+    """The step costs lone generations on ``target`` observe (:class:`ObservedCosts` over
+    :func:`verify_costs`' table), one per target object, shared by its generations."""
+    return target.kept.once.get(
+        "observed_costs", lambda: ObservedCosts(cost_table(verify_costs(target), MAX_STEP_TOKENS)))

@@ -22,7 +22,7 @@ from specwise.engine.loop import speculative_generate
 from specwise.engine.types import DraftContext
 from specwise.methods.auto.profile import MEMORY, calibrated, regime
 from specwise.prompts import builtin_prompt_file, load_prompts
-from specwise.targets.measured import verify_costs
+from specwise.targets.measured import observed_costs, verify_costs
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def _switch_seconds(auto, drafter, context: torch.Tensor, sampling) -> float:
 
 def _decode(target, drafter, ids: torch.Tensor, tokens: int, sampling, cost, seed: int):
     generator = None if sampling.is_greedy else torch.Generator(device=target.device).manual_seed(seed)
-    load = BatchLoad(cost).join()
+    load = BatchLoad(cost, observed=observed_costs(target)).join()
     try:
         # built-in texts are nobody's: an index of earlier outputs (suffix decoding's, in the user's
         # scope) would draft from them in the user's first texts
