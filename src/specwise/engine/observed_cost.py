@@ -87,7 +87,7 @@ class ObservedCosts:
     def ratios(self) -> dict[int, float]:
         """Per size observed often enough, the median of its recent observed ``v(n)`` over the table's."""
         with self._lock:
-            return {n: statistics.median(r) for n, r in sorted(self._ratios.items()) if len(r) >= MIN_RATIOS}
+            return {n: float(statistics.median(r)) for n, r in sorted(self._ratios.items()) if len(r) >= MIN_RATIOS}
 
     def _corrected(self) -> np.ndarray:
         sizes = [n for n, r in sorted(self._ratios.items()) if len(r) >= MIN_RATIOS]
