@@ -473,12 +473,52 @@ def test_the_first_measurement_teaches_no_index_of_earlier_outputs():
     assert index.tokens("user") > 0
 
 
-def _calibrated(profile: AutoProfile, spec: str, tokens: float, seconds: float) -> None:
+def _calibrated(profile: AutoProfile, spec: str, tokens: float, seconds: float, mode: str = "greedy") -> None:
     """A first measurement on the built-in texts, as :func:`calibrate` leaves it."""
     from specwise.methods.auto.profile import calibrated
 
-    profile.get(calibrated("greedy"), spec).update(tokens, seconds, 50, 1.0)
-    profile.get(calibrated("greedy"), spec).texts = PROBE_TEXTS
+    profile.get(calibrated(mode), spec).update(tokens, seconds, 50, 1.0)
+    profile.get(calibrated(mode), spec).texts = PROBE_TEXTS
+
+
+def test_a_new_sampled_regime_borrows_the_nearest_measured_one():
+    """A temperature not measured yet starts from the closest measured sampled regime (the same
+    top-k / top-p first), never from greedy decoding, and only for what it has not measured."""
+    from specwise.methods.auto.profile import calibrated
+
+    target, _, _ = _setup()
+    clock = FakeClock()
+    auto = _auto({"pld": Costly(PromptLookupDrafter(target, PromptLookupConfig()), clock, 1.0),
+                  "other": Costly(_ar(target), clock, 1.0)}, clock)
+    for mode, seconds in (("greedy", 0.5), ("T=1.0", 1.0), ("T=0.2", 2.0), ("T=0.7,top_p=0.90", 3.0)):
+        for spec in ("pld", "other"):
+            _calibrated(auto.profile, spec, 1.0, seconds, mode)
+    assert auto.borrow("greedy") == [] and auto.borrow("T=1.0") == []  # measured: nothing to borrow
+    assert auto.borrow("T=0.7") == ["pld", "other"]
+    assert auto.unmeasured("T=0.7") == []
+    assert auto.profile.get(calibrated("T=0.7"), "pld").seconds == 1.0  # 0.3 from T=1.0, 0.5 from T=0.2
+    assert auto.profile.get("T=0.7", "pld").seconds == 1.0  # the running estimate starts there too
+    assert auto.borrow("T=0.6,top_p=0.90") == ["pld", "other"]
+    assert auto.profile.get("T=0.6,top_p=0.90", "pld").seconds == 3.0  # the same top-p before a closer temperature
+    empty = _auto({"pld": Costly(PromptLookupDrafter(target, PromptLookupConfig()), clock, 1.0)}, clock)
+    _calibrated(empty.profile, "pld", 1.0, 1.0)
+    assert empty.borrow("T=0.7") == []  # only greedy measured: the sampled regime measures itself
+
+
+def test_a_generation_in_a_borrowed_regime_probes_nothing():
+    target, prompt, _ = _setup()
+    clock = FakeClock()
+    pld = PromptLookupDrafter(target, PromptLookupConfig())
+    other = RandomDrafter(target.vocab_size, 2, seed=1, prompt_length=prompt.numel())
+    auto = _auto({"ar": Costly(_ar(target), clock, 1.0), "pld": Costly(pld, clock, 1.0),
+                  "other": Costly(other, clock, 1.5)}, clock)
+    for spec in ("ar", "pld", "other"):
+        _calibrated(auto.profile, spec, 1.0, 1.5 if spec == "other" else 1.0, "T=1.0")
+    reference = specwise.generate(target, prompt, method="ar", max_new_tokens=NEW, temperature=0.7, seed=3)
+    result = specwise.generate(target, prompt, drafter=auto, max_new_tokens=NEW, temperature=0.7, seed=3)
+    ran = [m for m, _ in result.stats.method_steps]
+    assert len(ran) == 1 and "other" not in ran  # no probe of the slower candidate: one method throughout
+    assert len(result.token_ids) == len(reference.token_ids)
 
 
 @pytest.mark.parametrize("ratio, runs", [(1.5, "other"), (1.02, "pld")])

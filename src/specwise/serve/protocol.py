@@ -60,6 +60,8 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 #: the server's range of ``temperature``: 0 (greedy), or OpenAI's upper bound of 2 above the smallest
 #: temperature the sampler takes (:data:`specwise.engine.sampling.TEMPERATURE_RANGE`)
 TEMPERATURE = (TEMPERATURE_RANGE[0], 2)
+#: a request's temperature when it names none (OpenAI's default)
+DEFAULT_TEMPERATURE = 1.0
 
 
 class _Strict(BaseModel):
@@ -101,7 +103,7 @@ class Speculative(_Strict):
 class _Request(_Strict):
     model: StrictStr
     max_tokens: StrictInt | None = None
-    temperature: StrictFloat | StrictInt = 1.0
+    temperature: StrictFloat | StrictInt = DEFAULT_TEMPERATURE
     top_p: StrictFloat | StrictInt = 1.0
     n: StrictInt = 1
     seed: StrictInt | None = None

@@ -37,7 +37,7 @@ from specwise.many import batch_load, batches_generations
 from specwise.output import grammar_compiler
 from specwise.request import GenerationRequest, run_request
 from specwise.serve.origins import TokenSpans
-from specwise.serve.protocol import ApiError
+from specwise.serve.protocol import DEFAULT_TEMPERATURE, ApiError
 from specwise.targets.measured import verify_costs
 from specwise.targets.openmp import openmp_runtimes, release_pool
 
@@ -176,9 +176,11 @@ class GenerationWorker:
             self.metrics.watch_pool(self.target)
         elif any(method != "ar" for method in self.methods):
             verify_costs(self.target)  # the cost model's v(n): now, not inside the first request
-        for drafter in self._drafters.values():  # auto's first measurement (greedy), once per machine:
-            if hasattr(drafter, "calibrate"):  # now, not in a batch whose steps time the others too
-                drafter.calibrate(SamplingConfig())
+        for drafter in self._drafters.values():  # auto's first measurements, once per machine: now,
+            if hasattr(drafter, "calibrate"):  # not in a batch whose steps time the others too
+                drafter.calibrate(SamplingConfig())  # greedy, and sampling at the API's default
+                drafter.calibrate(SamplingConfig(temperature=DEFAULT_TEMPERATURE))  # temperature, which
+                # the other sampled regimes borrow from until their own steps are measured
         # what was measured here ran on this thread, which stays: its idle OpenMP workers would slow
         # every generation's own team (specwise.targets.openmp)
         release_pool(openmp_runtimes())

@@ -55,6 +55,8 @@ def calibrate(auto, sampling, seed: int = 0) -> float:
         seconds spent (0.0 when every candidate was measured already).
     """
     target, mode = auto.target, regime(sampling)
+    if auto.borrow(mode):  # a sampled regime starts from its nearest measured neighbour's measurement
+        auto.profile.save()
     missing = auto.unmeasured(mode)
     if not missing:
         return 0.0

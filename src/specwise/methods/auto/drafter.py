@@ -150,6 +150,19 @@ def build_candidates(target, config: AutoConfig) -> dict[str, Drafter]:
     return built
 
 
+def _distance(mode: str, other: str) -> tuple[bool, float]:
+    """How far sampled regime ``other`` is from ``mode`` (:func:`~specwise.methods.auto.profile.regime`
+    keys): another top-k / top-p first, then the temperatures' difference."""
+    def parts(key: str) -> tuple[float, str]:
+        temperature, _, rest = key.partition(",")
+        try:
+            return float(temperature.removeprefix("T=")), rest
+        except ValueError:
+            return float("inf"), rest
+    (t, rest), (u, other_rest) = parts(mode), parts(other)
+    return rest != other_rest, abs(t - u)
+
+
 def _plain(spec: str) -> bool:
     """Whether the candidate is plain decoding (its speed does not depend on the text)."""
     return split_spec(spec)[0] == "ar"
@@ -236,11 +249,49 @@ class AutoDrafter(Drafter):
         """The candidates whose first measurement in regime ``mode`` (:func:`calibrated`) has fewer
         than ``probe_steps`` steps or comes from fewer than :data:`PROBE_TEXTS` texts, in listing
         order; plain decoding only where the floor does not replace it (it never runs then)."""
-        floored = self.config.floor in self.candidates
         with self.lock:
-            return [spec for spec in self.candidates if not (floored and _plain(spec))
-                    and ((e := self.profile.get(calibrated(mode), spec)).steps < self.config.probe_steps
-                         or e.texts < PROBE_TEXTS)]
+            return self._unmeasured(mode)
+
+    def _unmeasured(self, mode: str) -> list[str]:
+        floored = self.config.floor in self.candidates
+        return [spec for spec in self.candidates if not (floored and _plain(spec)) and not self._measured(mode, spec)]
+
+    def _measured(self, mode: str, spec: str) -> bool:
+        e = self.profile.get(calibrated(mode), spec)
+        return e.steps >= self.config.probe_steps and e.texts >= PROBE_TEXTS
+
+    def borrow(self, mode: str) -> list[str]:
+        """Start sampled regime ``mode``'s unmeasured candidates from the nearest sampled regime
+        that measured them (closest temperature, the same top-k / top-p first): their first
+        measurement there, as this regime's first measurement and running estimate (where that
+        has fewer than ``probe_steps`` steps). The running estimates then follow this regime's own
+        steps. Greedy decoding borrows nothing (its acceptance is of another kind).
+
+        Why: the regime is the temperature to 0.1, and a server's clients choose temperatures
+        freely; measuring each new one, on built-in texts or by probes inside its first requests
+        (a trained drafter's first call loads its weights), cost those requests seconds, while
+        what the candidates gain changes little between neighbouring temperatures.
+
+        Returns:
+            the candidates borrowed (nothing is saved here; the generation's end saves the profile).
+        """
+        if mode == "greedy":
+            return []
+        borrowed = []
+        with self.lock:
+            sources = sorted({m.removeprefix("calibrated:") for m, _ in self.profile.estimates
+                              if m.startswith("calibrated:") and m != "calibrated:greedy"} - {mode},
+                             key=lambda other: _distance(mode, other))
+            for spec in self._unmeasured(mode):
+                source = next((other for other in sources if self._measured(other, spec)), None)
+                if source is None:
+                    continue
+                first = self.profile.get(calibrated(source), spec)
+                self.profile.estimates[calibrated(mode), spec] = replace(first)
+                if self.profile.get(mode, spec).steps < self.config.probe_steps:
+                    self.profile.estimates[mode, spec] = replace(first)
+                borrowed.append(spec)
+        return borrowed
 
     def calibrate(self, sampling) -> float:
         """Measure the candidates :meth:`unmeasured` lists in ``sampling``'s regime on built-in
@@ -316,6 +367,7 @@ class AutoRun:
         # measured here go into the profile for later generations, not into the standard they are
         # judged against (a hard text lowers the running drafter's remembered speed segment by
         # segment, and against that moving standard drafters traded places on every decision)
+        auto.borrow(self._mode)
         with auto.lock:
             self._known = {spec: replace(self.profile.get(self._mode, spec)) for spec in self._choosable}
             choice = self._choose(None)
