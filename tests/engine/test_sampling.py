@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import reference_scores
-from specwise.engine.sampling import SamplingConfig, nucleus, prefix_token_masks, probs_from_scores, process_logits
+from specwise.engine.sampling import (
+    NonFiniteDistributionError,
+    SamplingConfig,
+    nucleus,
+    prefix_token_masks,
+    probs_from_scores,
+    process_logits,
+)
 from specwise.engine.step import verify_chain
 
 V = 24
@@ -196,3 +204,45 @@ def test_temperature_is_applied_on_the_host_without_touching_the_logits():
     scores = process_logits(logits, SamplingConfig(temperature=0.7))
     torch.testing.assert_close(scores, kept / 0.7)
     assert torch.equal(logits, kept)
+
+
+def _vocab_row(seed: int, dtype=torch.float32, vocab: int = 5000) -> torch.Tensor:
+    """A large-vocabulary row (the fused path needs more than two CDF blocks) whose mass sits on a
+    few tokens, so a chi-square over them has power."""
+    gen = torch.Generator().manual_seed(seed)
+    row = torch.randn(vocab, generator=gen, dtype=torch.float64) - 12.0
+    row[torch.arange(0, 40) * 97] = torch.randn(40, generator=gen, dtype=torch.float64) * 1.5
+    return row.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_step_without_drafts_samples_the_temperature_softmax(dtype):
+    """The fused draw of a step with nothing to verify (:func:`sample_from_logits`) is distributed
+    as softmax(x / T), over 20,000 draws; masked tokens are never drawn."""
+    from conftest import assert_distribution
+    from specwise.engine.sampling import sample_from_logits
+
+    row = _vocab_row(0, dtype)
+    row[97] = float("-inf")  # a token a grammar refuses
+    config = SamplingConfig(temperature=0.7)
+    gen = torch.Generator().manual_seed(1)
+    counts = np.bincount([sample_from_logits(row, config, gen) for _ in range(20_000)], minlength=row.numel())
+    assert_distribution(counts, torch.softmax(row.double() / 0.7, -1).numpy(), "fused draws")
+
+
+def test_the_fused_draw_is_the_general_paths_draw():
+    """One uniform number drawn alike: the same seed gives the general path's token (the two
+    differ only in float rounding, which lands on a CDF boundary almost never)."""
+    from specwise.engine.sampling import sample_from_logits, sample_token
+
+    config = SamplingConfig(temperature=0.8)
+    for seed in range(100):
+        row = _vocab_row(seed)
+        general = sample_token(probs_from_scores(process_logits(row[None], config))[0], torch.Generator().manual_seed(seed))
+        assert sample_from_logits(row, config, torch.Generator().manual_seed(seed)) == general
+    with pytest.raises(NonFiniteDistributionError):
+        sample_from_logits(torch.full((5000,), float("-inf")), config, torch.Generator().manual_seed(0))
+    truncated = SamplingConfig(temperature=0.8, top_k=5)  # not fused: the general path, top-k kept
+    row = _vocab_row(3)
+    draws = {sample_from_logits(row, truncated, torch.Generator().manual_seed(s)) for s in range(300)}
+    assert draws <= set(torch.topk(row, 5).indices.tolist())

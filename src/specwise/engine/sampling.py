@@ -282,6 +282,46 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator | None = None) 
     return _checked(int(index), total, probs.dtype)
 
 
+def sample_from_logits(logits: torch.Tensor, config: SamplingConfig,
+                       generator: torch.Generator | None = None) -> int:
+    """Draw one token from one row of raw logits under ``config``: what
+    ``sample_token(probs_from_scores(process_logits(logits[None], config))[0], generator)`` draws
+    (the same distribution, one uniform number drawn alike), in fewer passes over the vocabulary.
+
+    A step that verifies no draft (most steps of a sampled generation under the cost model, and
+    every step of ``ar``) only needs its next token: ``exp((x - max x) / T)`` is the softmax at
+    temperature T without its normalization, which inverse-CDF sampling does not need
+    (:func:`sample_token` takes unnormalized mass), so the row is read four times and written into
+    one buffer instead of the general path's two new arrays and seven passes. Only temperature is
+    fused; with top-k, top-p or a repetition penalty, or a row not a CPU float32 / float64 vector,
+    this is the general path.
+
+    Args:
+        logits: ``[V]`` raw logits (``-inf`` where a grammar masks a token).
+        config: sampling options, not greedy.
+        generator: RNG of the one uniform number.
+
+    Returns:
+        the token id.
+
+    Raises:
+        NonFiniteDistributionError: the row holds NaN or +inf, or every token is masked.
+    """
+    fused = (config.top_k == 0 and config.top_p >= 1.0 and config.repetition_penalty == 1.0
+             and not config.is_greedy and logits.dim() == 1 and logits.device.type == "cpu"
+             and logits.dtype in (torch.float32, torch.float64) and logits.numel() > 2 * CDF_BLOCK)
+    if not fused:
+        return sample_token(probs_from_scores(process_logits(logits[None], config))[0], generator)
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=logits.device)
+    x = logits.detach().numpy()
+    mass = np.empty_like(x)
+    with np.errstate(invalid="ignore", over="ignore"):  # a non-finite row: NaN mass, refused below
+        np.subtract(x, x.max(), out=mass)
+        mass *= 1.0 / config.temperature
+        np.exp(mass, out=mass)
+    return _checked(*_blockwise_inverse_cdf(mass, float(u)), logits.dtype)
+
+
 def _blockwise_inverse_cdf(values: np.ndarray, u: float) -> tuple[int, float]:
     """``(index, total mass)``: the first token whose cumulative mass exceeds ``u`` × the total,
     summed in float64 per block of :data:`CDF_BLOCK`, then within the chosen block."""

@@ -30,6 +30,7 @@ from specwise.engine.sampling import (
     prefix_token_masks,
     probs_from_scores,
     process_logits,
+    sample_from_logits,
 )
 from specwise.engine.target import AttentionLayout, TargetCache
 from specwise.engine.tree import DraftTree
@@ -81,6 +82,9 @@ def verify_chain(
         if sampling.is_greedy:
             scores = logits if seen is None else process_logits(logits, sampling, seen)
             num_accepted, next_token = greedy_accept(draft_tokens, greedy_tokens(scores))
+        elif draft_tokens.numel() == 0 and cut is None and seen is None:
+            # nothing to verify: the next token is a draw from p (every exact rule's bonus token)
+            num_accepted, next_token = 0, sample_from_logits(logits[0], sampling, generator)
         else:
             probs = probs_from_scores(process_logits(logits, sampling, seen))
             if cut is not None and draft_probs is not None:
