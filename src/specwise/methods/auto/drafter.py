@@ -279,10 +279,13 @@ class AutoDrafter(Drafter):
             return []
         borrowed = []
         with self.lock:
+            missing = self._unmeasured(mode)
+            if not missing:  # every generation asks: a measured regime costs one look, no scan
+                return []
             sources = sorted({m.removeprefix("calibrated:") for m, _ in self.profile.estimates
                               if m.startswith("calibrated:") and m != "calibrated:greedy"} - {mode},
                              key=lambda other: _distance(mode, other))
-            for spec in self._unmeasured(mode):
+            for spec in missing:
                 source = next((other for other in sources if self._measured(other, spec)), None)
                 if source is None:
                     continue
