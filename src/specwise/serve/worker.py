@@ -176,11 +176,13 @@ class GenerationWorker:
             self.metrics.watch_pool(self.target)
         elif any(method != "ar" for method in self.methods):
             verify_costs(self.target)  # the cost model's v(n): now, not inside the first request
-        for drafter in self._drafters.values():  # auto's first measurements, once per machine: now,
-            if hasattr(drafter, "calibrate"):  # not in a batch whose steps time the others too
-                drafter.calibrate(SamplingConfig())  # greedy, and sampling at the API's default
-                drafter.calibrate(SamplingConfig(temperature=DEFAULT_TEMPERATURE))  # temperature, which
-                # the other sampled regimes borrow from until their own steps are measured
+        # auto's first measurements, once per machine, now (not in a batch whose steps time the others
+        # too): greedy, and sampling at the API's default temperature, which the other sampled regimes
+        # borrow from until their own steps are measured
+        for drafter in self._drafters.values():
+            if hasattr(drafter, "calibrate"):
+                drafter.calibrate(SamplingConfig())
+                drafter.calibrate(SamplingConfig(temperature=DEFAULT_TEMPERATURE))
         # what was measured here ran on this thread, which stays: its idle OpenMP workers would slow
         # every generation's own team (specwise.targets.openmp)
         release_pool(openmp_runtimes())
